@@ -1,0 +1,252 @@
+"""MP-PCA denoising of 4D arrays: arrays in, arrays out; no files, no Nipype.
+
+``denoise`` validates the options, lays out the patches (``patches``), and hands the work to a backend:
+``cpu`` (NumPy/OpenBLAS, a process pool with one BLAS thread per process) or ``gpu`` (Triton kernels and
+cuSOLVER's batched eigensolver). Both share the estimators (``estimators``) and the patch plan, so they
+compute the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import os
+import warnings
+
+import numpy as np
+
+from .errors import MPPCAInputError, MPPCAWarning
+from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
+from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
+
+__all__ = ["denoise", "DenoiseResult", "DenoiseOptions", "MPPCAInputError", "MPPCAWarning",
+           "MIN_VOLUMES", "DEFAULTS", "available_cpus"]
+
+#: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
+#: one, so three volumes is the floor.
+MIN_VOLUMES = 3
+
+#: The defaults, chosen by measurement (docs/benchmarks.md, "Choosing the defaults").
+DEFAULTS = dict(extent="auto", stride=2, estimator="exp2", aggregation="weighted", demean="voxel")
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class DenoiseResult:
+    """What ``denoise`` returns.
+
+    Attributes
+    ----------
+    denoised : (X, Y, Z, T) float32 array
+        The denoised series. Outside the mask: 0. Voxels holding NaN/Inf: as they were.
+    sigma : (X, Y, Z) float32 array
+        The noise level (standard deviation) estimated by MP-PCA: the patch's own value (``center``) or
+        the weighted mean of the patches covering the voxel. 0 outside the mask.
+    rank : (X, Y, Z) float32 array
+        The number of signal components kept (same aggregation as ``sigma``). 0 outside the mask.
+    info : dict
+        How the run was done: resolved options, backend, device, patch counts, timings.
+    """
+
+    denoised: np.ndarray
+    sigma: np.ndarray
+    rank: np.ndarray
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DenoiseOptions:
+    """Validated, resolved options: what every backend receives."""
+
+    extent: tuple[int, int, int]
+    stride: int
+    estimator: str
+    aggregation: str
+    demean: str
+
+    @property
+    def demeaned(self) -> bool:
+        return self.demean == "voxel"
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by SLURM_CPUS_PER_TASK when running under SLURM."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and int(slurm) > 0:
+        cpus = min(cpus, int(slurm))
+    return max(cpus, 1)
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise MPPCAInputError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+
+
+def resolve_options(shape, *, extent, stride, estimator, aggregation, demean) -> DenoiseOptions:
+    """Check every option against the data's shape; raise MPPCAInputError with one sentence if wrong."""
+    _check_choice("estimator", estimator, ESTIMATORS)
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    _check_choice("demean", demean, DEMEANING)
+    if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
+        raise MPPCAInputError(f"stride must be a positive integer, not {stride!r}")
+    if aggregation == "center" and stride != 1:
+        raise MPPCAInputError("aggregation 'center' takes each voxel from its own patch and needs stride 1")
+    n_volumes = shape[3]
+    try:
+        extent = resolve_extent(extent, shape[:3], n_volumes)
+    except ValueError as err:
+        raise MPPCAInputError(str(err)) from None
+    return DenoiseOptions(extent, int(stride), estimator, aggregation, demean)
+
+
+def check_data(data, mask):
+    """Validate the array and mask; return (data as float32, mask as bool)."""
+    data = np.asarray(data)
+    if data.ndim != 4:
+        raise MPPCAInputError(f"the input must be a 4D series (X, Y, Z, T), not {data.ndim}D {data.shape}")
+    if not (np.issubdtype(data.dtype, np.floating) or np.issubdtype(data.dtype, np.integer)):
+        raise MPPCAInputError(f"the input must hold real numbers, not {data.dtype}")
+    if data.shape[3] < MIN_VOLUMES:
+        raise MPPCAInputError(
+            f"the input has {data.shape[3]} volumes; MP-PCA needs at least {MIN_VOLUMES}")
+    if min(data.shape[:3]) < 1:
+        raise MPPCAInputError(f"the input has an empty spatial dimension {data.shape[:3]}")
+    if mask is None:
+        mask = np.ones(data.shape[:3], dtype=bool)
+    else:
+        mask = np.asarray(mask)
+        if mask.shape != data.shape[:3]:
+            raise MPPCAInputError(
+                f"the mask's shape {mask.shape} does not match the image's {data.shape[:3]}")
+        mask = mask != 0
+    return np.ascontiguousarray(data, dtype=np.float32), mask
+
+
+def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
+            aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], device="auto", nprocs=None,
+            progress=None) -> DenoiseResult:
+    """Denoise a 4D series by Marchenko-Pastur PCA (MP-PCA).
+
+    Each patch (a cuboid of ``extent`` voxels) becomes an n x T matrix; the eigenvalues of its Gram matrix
+    are split into signal and noise by the Marchenko-Pastur law (Veraart 2016; Cordero-Grande 2019), the
+    patch is projected onto the signal components, and overlapping patches are combined.
+
+    Parameters
+    ----------
+    data : (X, Y, Z, T) array
+        The series (any real dtype; computed in float32 on the GPU, float64 on the CPU).
+    mask : (X, Y, Z) array, optional
+        Voxels to denoise (non-zero). Patches may still read voxels outside it; outputs there are 0.
+    extent : "auto", int or three ints
+        Patch size, odd. "auto": the smallest odd e with e^3 >= T, capped at the image size.
+    stride : int
+        1: every voxel is the centre of its own patch (dwidenoise). s > 1: patches on a grid of step s,
+        plus one flush against each far edge.
+    estimator : {"exp2", "exp1"}
+        Marchenko-Pastur noise estimator (see ``estimators.marchenko_pastur_threshold``).
+    aggregation : {"weighted", "center", "uniform"}
+        How overlapping patches combine: ``center`` takes each voxel from its own patch (needs stride 1;
+        dwidenoise); ``weighted`` averages all covering patches with weight 1/(1 + P + demeaned);
+        ``uniform`` averages them equally.
+    demean : {"voxel", "none"}
+        ``voxel`` removes each voxel's temporal mean inside a patch before PCA (and adds it back);
+        ``none`` is dwidenoise's behaviour.
+    device : {"auto", "cpu", "cuda"}
+        ``auto`` uses a usable CUDA GPU when the GPU engine is installed, else the CPU.
+    nprocs : int, optional
+        CPU worker processes (default: the CPUs this process may use).
+    progress : callable(done, total), optional
+        Called as work units finish.
+
+    Returns
+    -------
+    DenoiseResult
+        ``denoised`` (float32, same shape), ``sigma`` and ``rank`` maps, and ``info``.
+
+    The defaults (stride 2, weighted, voxel demeaning, exp2) were chosen by measurement; dwidenoise's
+    mode is ``stride=1, aggregation="center", demean="none"``.
+    """
+    data, mask = check_data(data, mask)
+    options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
+                              aggregation=aggregation, demean=demean)
+    _check_choice("device", device, DEVICES)
+    if nprocs is not None and (isinstance(nprocs, bool) or int(nprocs) != nprocs or nprocs < 1):
+        raise MPPCAInputError(f"nprocs must be a positive integer, not {nprocs!r}")
+
+    finite = np.isfinite(data).all(axis=3)
+    n_nonfinite = int(np.count_nonzero(mask & ~finite))
+    if n_nonfinite:
+        warnings.warn(f"{n_nonfinite} voxels hold NaN or Inf; they are left out of every patch and left "
+                      "as they were", MPPCAWarning, stacklevel=2)
+    raw = data
+    if n_nonfinite or not finite.all():
+        data = np.where(finite[..., None], data, np.float32(0))
+    plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
+    t_eff = data.shape[3] - options.demeaned
+    if plan.patch_size < FEW_SAMPLES or t_eff < FEW_SAMPLES:
+        warnings.warn(
+            f"patches of {plan.patch_size} voxels and {t_eff} usable volumes: MP-PCA is unreliable with "
+            f"fewer than {FEW_SAMPLES} of either", MPPCAWarning, stacklevel=2)
+
+    backend = _pick_backend(device)
+    sums = backend(data, finite, plan, options, nprocs=nprocs, progress=progress)
+    result = _finish(raw, mask, finite, sums)
+    result.info.update(sums.info)
+    result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
+                            aggregation=options.aggregation, demean=options.demean,
+                            n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
+                            n_nonfinite_voxels=n_nonfinite))
+    return result
+
+
+def _pick_backend(device):
+    if device in ("auto", "cuda"):
+        try:
+            from .gpu import usable as gpu_usable
+            reason = gpu_usable()
+        except ImportError as err:
+            reason = f"the GPU engine is not installed ({err.name} is missing; pip install 'mppca-nipype[gpu]')"
+        if reason is None:
+            from .gpu.pipeline import denoise_gpu
+            return denoise_gpu
+        if device == "cuda":
+            raise MPPCAInputError(f"device 'cuda' was asked for but {reason}")
+    from .cpu import denoise_cpu
+    return denoise_cpu
+
+
+@dataclass
+class PatchSums:
+    """What a backend returns: per-voxel sums over the patches that served each voxel.
+
+    ``image`` (X*Y*Z, T), ``weight``, ``sigma``, ``rank`` (X*Y*Z,), all float64 (or float32 from the GPU).
+    For ``center`` aggregation each voxel is served by exactly one patch with weight 1, so the sums are the
+    values themselves.
+    """
+
+    image: np.ndarray
+    weight: np.ndarray
+    sigma: np.ndarray
+    rank: np.ndarray
+    info: dict = field(default_factory=dict)
+
+
+def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
+    """Divide the sums by the weights; put back what was not denoised.
+
+    ``data`` is the caller's series (with its NaN/Inf): voxels in the mask that held them keep them.
+    """
+    shape3 = data.shape[:3]
+    served = (sums.weight > 0).reshape(shape3) & mask & finite
+    weight = np.where(served.ravel(), sums.weight, 1.0)
+    denoised = (sums.image / weight[:, None]).astype(np.float32).reshape(data.shape)
+    denoised[~served] = 0
+    keep_input = mask & ~finite
+    denoised[keep_input] = data[keep_input]
+    sigma = np.where(served, (sums.sigma / weight).reshape(shape3), 0).astype(np.float32)
+    rank = np.where(served, (sums.rank / weight).reshape(shape3), 0).astype(np.float32)
+    return DenoiseResult(denoised, sigma, rank, info={})

@@ -1,0 +1,231 @@
+"""The CPU backend: NumPy/OpenBLAS, batched over patches, spread over worker processes.
+
+Work is cut into *units*: all active windows whose corner lies on one x position. A unit reads a slab of
+``extent[0]`` x-planes, runs its windows in stacked batches (batched gather, batched Gram, batched eigh,
+batched projection) and returns its contribution to that slab. The parent adds the contributions in unit
+order, so the result does not depend on how many processes ran the units: it is bit-identical for any
+``nprocs``.
+
+Workers share the input volume through ``multiprocessing.shared_memory`` (one copy, whatever their
+number) and each limits its BLAS to one thread: on matrices of 48 x 48, one thread per process is faster
+than a multithreaded BLAS fighting over the same cores.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+import multiprocessing
+from multiprocessing import shared_memory
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from .estimators import aggregation_weights, marchenko_pastur_threshold, signal_projector
+
+#: Memory one batch may use for its patch matrices (float64), per process.
+BATCH_BYTES = 48 * 2**20
+
+
+@dataclass
+class Unit:
+    """Windows ``start:stop`` of the plan; they all have their corner on x-plane ``x0``."""
+
+    start: int
+    stop: int
+    x0: int
+
+
+def work_units(plan) -> list[Unit]:
+    """Split the plan's windows (sorted by corner x) into one unit per corner x-plane."""
+    cx = plan.window_corner[:, 0]
+    bounds = np.flatnonzero(np.diff(cx)) + 1
+    starts = np.concatenate([[0], bounds]).astype(int)
+    stops = np.concatenate([bounds, [len(cx)]]).astype(int)
+    return [Unit(int(a), int(b), int(cx[a])) for a, b in zip(starts, stops) if b > a]
+
+
+def batch_size(n_voxels: int, n_volumes: int) -> int:
+    """Windows per batch: patch matrix, Gram, eigenvectors, projector and reconstruction within BATCH_BYTES."""
+    m = min(n_voxels, n_volumes)
+    per_window = 8 * (3 * n_voxels * n_volumes + 3 * m * m)
+    return int(max(1, min(4096, BATCH_BYTES // per_window)))
+
+
+def project_windows(volume, finite, plan, options, windows: slice):
+    """MP-PCA on the windows ``windows`` of the plan.
+
+    Returns the patch matrices' pieces the aggregation needs: the (centred) patches ``X`` (B, n, T), their
+    means (B, n, 1) or None, the projector (B, m, m), the Gram side (``"time"`` when m = T), the ranks,
+    sigma^2, the voxels' flat indices (B, n) and which of them took part (B, n).
+    """
+    base = plan.window_base(windows)
+    voxels = base[:, None] + plan.voxel_offsets[None, :]
+    patches = volume[voxels].astype(np.float64)  # (B, n, T); left-out voxels are rows of zeros
+    took_part = finite[voxels]
+    n_volumes = patches.shape[2]
+    means = None
+    if options.demeaned:
+        means = patches.mean(axis=2, keepdims=True)
+        patches -= means
+    time_side = plan.patch_size >= n_volumes
+    if time_side:
+        gram = np.matmul(patches.transpose(0, 2, 1), patches)
+    else:
+        gram = np.matmul(patches, patches.transpose(0, 2, 1))
+    eigenvalues, eigenvectors = np.linalg.eigh(gram)
+    rank, sigma2 = marchenko_pastur_threshold(
+        eigenvalues, took_part.sum(axis=1), n_volumes - options.demeaned, options.estimator)
+    projector = signal_projector(eigenvectors, rank)
+    return patches, means, projector, time_side, rank, sigma2, voxels, took_part
+
+
+def reconstruct(patches, means, projector, time_side):
+    """X_hat = X V_P V_P^T (time side) or U_P U_P^T X (voxel side), plus the means."""
+    restored = np.matmul(patches, projector) if time_side else np.matmul(projector, patches)
+    if means is not None:
+        restored += means
+    return restored
+
+
+def run_unit(volume, finite, plan, options, unit: Unit):
+    """Denoise one unit; return its contribution (see ``denoise_cpu`` for the two shapes)."""
+    step = batch_size(plan.patch_size, volume.shape[1])
+    n_volumes = volume.shape[1]
+    if options.aggregation == "center":
+        first, last = np.searchsorted(plan.centre_window, [unit.start, unit.stop])
+        rows = np.empty((last - first, n_volumes), dtype=np.float32)
+        sigma = np.empty(last - first)
+        rank = np.empty(last - first)
+        for start in range(unit.start, unit.stop, step):
+            stop = min(start + step, unit.stop)
+            a, b = np.searchsorted(plan.centre_window, [start, stop])
+            patches, means, projector, time_side, w_rank, w_sigma2, _, _ = project_windows(
+                volume, finite, plan, options, slice(start, stop))
+            window = plan.centre_window[a:b] - start
+            position = plan.centre_position[a:b]
+            own = patches[window, position]  # (V, T): each centre's own row
+            if time_side:
+                restored = np.matmul(own[:, None, :], projector[window])[:, 0]
+            else:
+                restored = np.einsum("vn,vnt->vt", projector[window, position], patches[window])
+            if means is not None:
+                restored += means[window, position]
+            rows[a - first:b - first] = restored
+            sigma[a - first:b - first] = np.sqrt(w_sigma2[window])
+            rank[a - first:b - first] = w_rank[window]
+        return plan.centre_voxel[first:last], rows, sigma, rank
+
+    plane = plan.spatial_shape[1] * plan.spatial_shape[2]
+    slab_start = unit.x0 * plane
+    slab_voxels = plan.extent[0] * plane
+    image = np.zeros((slab_voxels, n_volumes), dtype=np.float32)
+    weight = np.zeros(slab_voxels)
+    sigma = np.zeros(slab_voxels)
+    rank = np.zeros(slab_voxels)
+    for start in range(unit.start, unit.stop, step):
+        stop = min(start + step, unit.stop)
+        patches, means, projector, time_side, w_rank, w_sigma2, voxels, took_part = project_windows(
+            volume, finite, plan, options, slice(start, stop))
+        restored = reconstruct(patches, means, projector, time_side)
+        w = aggregation_weights(w_rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
+        voxel_weight = w[:, None] * took_part  # (B, n): left-out voxels receive nothing
+        local = voxels - slab_start
+        restored *= voxel_weight[:, :, None]
+        # distinct windows put distinct voxels at the same offset: no collisions within one offset
+        for offset in range(local.shape[1]):
+            image[local[:, offset]] += restored[:, offset]
+        flat = local.ravel()
+        weight += np.bincount(flat, voxel_weight.ravel(), slab_voxels)
+        sigma += np.bincount(flat, (voxel_weight * np.sqrt(w_sigma2)[:, None]).ravel(), slab_voxels)
+        rank += np.bincount(flat, (voxel_weight * w_rank[:, None]).ravel(), slab_voxels)
+    return slab_start, image, weight, sigma, rank
+
+
+# -- worker processes ------------------------------------------------------------------------------------
+
+_WORKER = {}
+
+
+def _attach(volume_name, volume_shape, finite_name, plan, options):
+    """Worker initializer: map the shared input, limit BLAS to one thread."""
+    volume_shm = shared_memory.SharedMemory(name=volume_name)
+    finite_shm = shared_memory.SharedMemory(name=finite_name)
+    _WORKER.update(
+        volume=np.ndarray(volume_shape, dtype=np.float32, buffer=volume_shm.buf),
+        finite=np.ndarray(volume_shape[:1], dtype=bool, buffer=finite_shm.buf),
+        plan=plan, options=options, handles=(volume_shm, finite_shm),
+        limits=threadpool_limits(limits=1),
+    )
+
+
+def _run_unit_in_worker(unit):
+    w = _WORKER
+    return run_unit(w["volume"], w["finite"], w["plan"], w["options"], unit)
+
+
+def _shared_copy(array):
+    shm = shared_memory.SharedMemory(create=True, size=max(array.nbytes, 1))
+    np.ndarray(array.shape, dtype=array.dtype, buffer=shm.buf)[...] = array
+    return shm
+
+
+def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
+    """Run the plan on the CPU and return the per-voxel sums (``engine.PatchSums``)."""
+    from . import PatchSums, available_cpus
+
+    started = time.perf_counter()
+    n_voxels = int(np.prod(data.shape[:3]))
+    n_volumes = data.shape[3]
+    volume = data.reshape(n_voxels, n_volumes)
+    finite_flat = finite.reshape(n_voxels)
+    units = work_units(plan)
+    nprocs = min(nprocs or available_cpus(), max(len(units), 1))
+
+    center = options.aggregation == "center"
+    image = np.zeros((n_voxels, n_volumes), dtype=np.float32)
+    weight = np.zeros(n_voxels)
+    sigma = np.zeros(n_voxels)
+    rank = np.zeros(n_voxels)
+
+    def add(result):
+        if center:
+            voxel, rows, s, r = result
+            image[voxel] = rows
+            weight[voxel] = 1.0
+            sigma[voxel] = s
+            rank[voxel] = r
+        else:
+            start, slab_image, slab_weight, slab_sigma, slab_rank = result
+            stop = start + len(slab_weight)
+            image[start:stop] += slab_image
+            weight[start:stop] += slab_weight
+            sigma[start:stop] += slab_sigma
+            rank[start:stop] += slab_rank
+
+    if nprocs == 1:
+        with threadpool_limits(limits=1):
+            for done, unit in enumerate(units, 1):
+                add(run_unit(volume, finite_flat, plan, options, unit))
+                if progress:
+                    progress(done, len(units))
+    else:
+        volume_shm, finite_shm = _shared_copy(volume), _shared_copy(finite_flat)
+        try:
+            context = multiprocessing.get_context("forkserver")
+            with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
+                                     initargs=(volume_shm.name, volume.shape, finite_shm.name,
+                                               plan, options)) as pool:
+                for done, result in enumerate(pool.map(_run_unit_in_worker, units), 1):
+                    add(result)
+                    if progress:
+                        progress(done, len(units))
+        finally:
+            for shm in (volume_shm, finite_shm):
+                shm.close()
+                shm.unlink()
+
+    return PatchSums(image, weight, sigma, rank,
+                     info=dict(backend="cpu", device="cpu", nprocs=nprocs,
+                               seconds_engine=time.perf_counter() - started))

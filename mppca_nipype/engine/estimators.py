@@ -1,0 +1,112 @@
+"""Marchenko-Pastur rank and noise estimators, aggregation weights and the signal projector.
+
+Written once against the array API, so that the NumPy (CPU) and torch (GPU) backends run the same code:
+``array_api_compat.array_namespace`` hands each function the namespace of its input.
+
+References
+----------
+Veraart J, Novikov DS, Christiaens D, Ades-aron B, Sijbers J, Fieremans E. Denoising of diffusion MRI
+using random matrix theory. NeuroImage 142:394-406 (2016). doi:10.1016/j.neuroimage.2016.08.016
+Cordero-Grande L, Christiaens D, Hutter J, Price AN, Hajnal JV. Complex diffusion-weighted image
+estimation via matrix recovery under general noise models. NeuroImage 200:391-404 (2019).
+doi:10.1016/j.neuroimage.2019.06.039
+"""
+
+from __future__ import annotations
+
+from array_api_compat import array_namespace
+
+ESTIMATORS = ("exp2", "exp1")
+AGGREGATIONS = ("center", "weighted", "uniform")
+DEMEANING = ("none", "voxel")
+
+
+def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str = "exp2"):
+    """Number of signal components and noise variance of each patch, as MRtrix3's dwidenoise decides them.
+
+    Parameters
+    ----------
+    eigenvalues : (B, m) array, ascending along the last axis (as symmetric eigensolvers return them)
+        Eigenvalues of each patch's Gram matrix (T x T or n x n, whichever is smaller). Only the top
+        ``r = min(n_voxels, n_volumes)`` are used; the rest are the null directions of voxels that were
+        left out (NaN) or of the removed mean.
+    n_voxels : (B,) integer array
+        Voxels that took part in each patch.
+    n_volumes : int or (B,) integer array
+        Degrees of freedom along time: T, or T - 1 after removing each voxel's mean.
+    estimator : {"exp2", "exp1"}
+        ``exp1``: gamma = (r - P) / q (Veraart 2016); ``exp2``: gamma = (r - P) / (q - P)
+        (Cordero-Grande 2019, dwidenoise's default).
+
+    Returns
+    -------
+    rank : (B,) integer array
+        P, the number of signal components kept (r when no P is noise-compatible).
+    sigma2 : (B,) array
+        Noise variance sigma^2(P) (0 when no P is noise-compatible).
+
+    Notes
+    -----
+    With lambda_i = s_i / q (s clamped at 0), q = max(n, T) and P signal components, the noise variance is
+    the mean of the r - P smallest lambda; P is noise-compatible when
+    ``(lambda_{P+1} - lambda_r) / (4 sqrt(gamma(P))) < sigma^2(P)``; the estimate is the smallest such P.
+    Computed in the precision of ``eigenvalues`` (use float64: dwidenoise accumulates in double).
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
+    xp = array_namespace(eigenvalues)
+    dtype = eigenvalues.dtype
+    m = eigenvalues.shape[-1]
+    n_voxels = xp.asarray(n_voxels, device=eigenvalues.device)
+    n_volumes = xp.asarray(n_volumes, device=eigenvalues.device)
+    r = xp.astype(xp.minimum(n_voxels, n_volumes), dtype)[:, None]
+    q = xp.astype(xp.maximum(n_voxels, n_volumes), dtype)[:, None]
+
+    index = xp.astype(xp.arange(m, device=eigenvalues.device), dtype)[None, :]
+    first_usable = m - r
+    usable = index >= first_usable
+    lam = xp.where(usable, xp.clip(eigenvalues, min=0) / q, xp.zeros_like(eigenvalues))
+    # k: the number of noise components if this eigenvalue is the largest of them
+    k = xp.where(usable, index - first_usable + 1, xp.ones_like(eigenvalues))
+    lam_r = xp.min(xp.where(usable, lam, xp.full_like(lam, float("inf"))), axis=1, keepdims=True)
+    gamma = k / q if estimator == "exp1" else k / (q - (r - k))
+    sigma2_k = xp.cumulative_sum(lam, axis=1) / k
+    spread = (lam - lam_r) / (4.0 * xp.sqrt(gamma))
+    noise_compatible = usable & (spread < sigma2_k)
+
+    # the largest k that is noise-compatible (the smallest P)
+    any_compatible = xp.any(noise_compatible, axis=1)
+    last = (m - 1) - xp.argmax(xp.astype(xp.flip(noise_compatible, axis=1), xp.int32), axis=1)
+    n_noise = xp.where(any_compatible, xp.astype(last, dtype) - first_usable[:, 0] + 1, xp.zeros_like(r[:, 0]))
+    chosen = index == xp.astype(last, dtype)[:, None]
+    sigma2 = xp.where(any_compatible, xp.sum(xp.where(chosen, sigma2_k, xp.zeros_like(lam)), axis=1),
+                      xp.zeros_like(r[:, 0]))
+    rank = xp.astype(r[:, 0] - n_noise, xp.int64)
+    return rank, sigma2
+
+
+def aggregation_weights(rank, demeaned: bool, aggregation: str):
+    """Weight of each patch's reconstruction when overlapping patches are averaged.
+
+    ``weighted``: 1 / (1 + P + [1 if the voxel means were removed]), i.e. one over the number of parameters
+    the patch spent on each voxel (DIPY's 1/(1+P); the seed's 1/(2+P) with demeaning). ``uniform``: 1.
+    ``center`` takes each voxel from its own patch and needs no weight (1 is returned).
+    """
+    xp = array_namespace(rank)
+    ones = xp.ones(rank.shape, dtype=xp.float64, device=rank.device)
+    if aggregation == "weighted":
+        return ones / (1.0 + xp.astype(rank, xp.float64) + (1.0 if demeaned else 0.0))
+    return ones
+
+
+def signal_projector(eigenvectors, rank):
+    """V_P V_P^T: the projector onto the ``rank`` leading eigenvectors of each patch.
+
+    ``eigenvectors`` is (B, m, m) with eigenvectors as columns in ascending eigenvalue order.
+    """
+    xp = array_namespace(eigenvectors)
+    m = eigenvectors.shape[-1]
+    index = xp.arange(m, device=eigenvectors.device)[None, :]
+    keep = xp.astype(index >= (m - rank)[:, None], eigenvectors.dtype)
+    kept = eigenvectors * keep[:, None, :]
+    return kept @ xp.matrix_transpose(eigenvectors)

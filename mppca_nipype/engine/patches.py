@@ -1,0 +1,199 @@
+"""Patch geometry: the extent rule, where patches sit, which of them run, and which voxels they serve.
+
+Everything here is index arithmetic on the spatial grid (X, Y, Z); no voxel values are touched.
+
+Two layouts, as DESIGN.md fixes them:
+
+* ``stride == 1`` (dwidenoise's): every voxel is the centre of one patch; near an edge the window is
+  shifted to lie inside the image while its centre stays on the voxel. Windows of edge voxels therefore
+  coincide (all voxels within ``extent // 2`` of an edge share the flush window), so the distinct windows
+  are the positions ``0 .. size - extent`` on each axis, and a window serves one or more centre voxels.
+* ``stride > 1``: windows on a grid of step ``stride``, plus one flush against the far edge of each axis so
+  that every voxel is covered. A window serves no particular centre.
+
+Both backends compute each *distinct* window once; a window's multiplicity (how many centre voxels chose
+it) becomes a factor on its aggregation weight, which makes the result identical to computing every
+voxel's patch separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import warnings
+
+import numpy as np
+
+from .errors import MPPCAWarning
+
+#: dwidenoise warns when a patch holds fewer voxels, or the series fewer volumes, than this.
+FEW_SAMPLES = 15
+
+
+def auto_extent(n_volumes: int) -> int:
+    """The smallest odd ``e`` with ``e**3 >= n_volumes`` (MRtrix3 dwidenoise's default rule)."""
+    e = 1
+    while e**3 < n_volumes:
+        e += 2
+    return e
+
+
+def resolve_extent(extent, spatial_shape, n_volumes: int) -> tuple[int, int, int]:
+    """Turn ``extent`` ("auto", an odd int, or three odd ints) into three odd ints that fit the image.
+
+    Each axis is capped at the largest odd number not above the image size on that axis. For "auto" this
+    is dwidenoise's rule (which caps at the size itself; for an even size that would be an even window,
+    which dwidenoise cannot handle, so we take the odd one below). An explicit extent that must be capped
+    is capped with a warning.
+    """
+    if isinstance(extent, str):
+        if extent != "auto":
+            raise ValueError(f"extent must be 'auto', an odd integer or three odd integers, not {extent!r}")
+        wanted = (auto_extent(n_volumes),) * 3
+        explicit = False
+    else:
+        wanted = (extent,) * 3 if np.ndim(extent) == 0 else tuple(extent)
+        if len(wanted) != 3:
+            raise ValueError(f"extent must have 1 or 3 values, not {len(wanted)}")
+        if any(int(e) != e or e < 1 or e % 2 == 0 for e in wanted):
+            raise ValueError(f"extent must be odd positive integers, got {','.join(str(e) for e in wanted)}")
+        explicit = True
+    fitted = tuple(int(min(e, size if size % 2 else size - 1)) for e, size in zip(wanted, spatial_shape))
+    if explicit and fitted != tuple(int(e) for e in wanted):
+        warnings.warn(
+            f"extent {','.join(map(str, wanted))} exceeds the image {'x'.join(map(str, spatial_shape))}; "
+            f"using {','.join(map(str, fitted))}",
+            MPPCAWarning,
+            stacklevel=3,
+        )
+    return fitted
+
+
+def window_positions(size: int, extent: int, stride: int) -> np.ndarray:
+    """Corners (first index) of the distinct windows along one axis."""
+    last = size - extent
+    if stride == 1:
+        return np.arange(last + 1)
+    corners = np.arange(0, last + 1, stride)
+    if corners[-1] != last:
+        corners = np.append(corners, last)
+    return corners
+
+
+def centre_window(size: int, extent: int) -> np.ndarray:
+    """For ``stride == 1``: the index (into ``window_positions``) of each voxel's own window along one axis."""
+    return np.clip(np.arange(size) - extent // 2, 0, size - extent)
+
+
+@dataclass(frozen=True)
+class PatchPlan:
+    """Which windows run and which voxels they serve. Indices are into the flattened spatial grid.
+
+    Attributes
+    ----------
+    spatial_shape, extent, stride
+        The geometry.
+    window_corner : (W, 3) int array
+        Corner voxel of each active window, in processing order (sorted by x, then y, then z).
+    multiplicity : (W,) int array
+        Number of centre voxels that chose this window (stride 1), else 1.
+    voxel_offsets : (n,) int array
+        Flat offset of each patch voxel from the window's corner voxel, x slowest (C order).
+    centre_voxel, centre_window, centre_position : (V,) int arrays, stride 1 only
+        For every voxel that is a patch centre: its flat index, the index of its window in
+        ``window_corner``, and its position (0..n-1) inside that window.
+    """
+
+    spatial_shape: tuple[int, int, int]
+    extent: tuple[int, int, int]
+    stride: int
+    window_corner: np.ndarray
+    multiplicity: np.ndarray
+    voxel_offsets: np.ndarray
+    centre_voxel: np.ndarray | None
+    centre_window: np.ndarray | None
+    centre_position: np.ndarray | None
+
+    @property
+    def n_windows(self) -> int:
+        return len(self.window_corner)
+
+    @property
+    def patch_size(self) -> int:
+        return len(self.voxel_offsets)
+
+    def window_base(self, windows=slice(None)) -> np.ndarray:
+        """Flat index of the corner voxel of the given windows."""
+        cx, cy, cz = self.window_corner[windows].T
+        _, ny, nz = self.spatial_shape
+        return (cx * ny + cy) * nz + cz
+
+
+def flat_offsets(extent, spatial_shape) -> np.ndarray:
+    """Flat offsets of a window's voxels from its corner voxel, x slowest."""
+    _, ny, nz = spatial_shape
+    dx, dy, dz = np.meshgrid(*(np.arange(e) for e in extent), indexing="ij")
+    return ((dx * ny + dy) * nz + dz).ravel()
+
+
+def plan_patches(spatial_shape, extent, stride: int, mask: np.ndarray, finite: np.ndarray) -> PatchPlan:
+    """Lay out the windows for ``extent``/``stride`` and keep those the mask needs.
+
+    ``mask`` and ``finite`` are boolean (X, Y, Z) arrays: the voxels to denoise, and the voxels whose time
+    courses hold no NaN/Inf (the others take part in no patch). With ``stride == 1`` a voxel is a patch
+    centre when it is in the mask and finite; a window runs when it is some centre's window. With
+    ``stride > 1`` a window runs when it holds at least one finite mask voxel.
+    """
+    spatial_shape = tuple(int(s) for s in spatial_shape)
+    extent = tuple(int(e) for e in extent)
+    positions = [window_positions(s, e, stride) for s, e in zip(spatial_shape, extent)]
+    grid_shape = tuple(len(p) for p in positions)
+    offsets = flat_offsets(extent, spatial_shape)
+    wanted = mask & finite
+
+    if stride == 1:
+        own = [centre_window(s, e) for s, e in zip(spatial_shape, extent)]
+        vx, vy, vz = np.nonzero(wanted)
+        kx, ky, kz = own[0][vx], own[1][vy], own[2][vz]
+        grid_index = (kx * grid_shape[1] + ky) * grid_shape[2] + kz
+        counts = np.bincount(grid_index, minlength=int(np.prod(grid_shape)))
+        active = np.flatnonzero(counts)
+        # number each active window 0..W-1 in grid order; centres look their window up
+        window_number = np.full(counts.shape, -1, dtype=np.int64)
+        window_number[active] = np.arange(len(active))
+        ax, ay, az = np.unravel_index(active, grid_shape)
+        corner = np.stack([positions[0][ax], positions[1][ay], positions[2][az]], axis=1)
+        _, ny, nz = spatial_shape
+        inside = ((vx - corner[window_number[grid_index], 0]) * extent[1]
+                  + (vy - corner[window_number[grid_index], 1])) * extent[2] \
+                 + (vz - corner[window_number[grid_index], 2])
+        # centres sorted by window, so that a run of windows serves a contiguous run of centres
+        by_window = np.argsort(window_number[grid_index], kind="stable")
+        return PatchPlan(
+            spatial_shape, extent, stride,
+            window_corner=corner,
+            multiplicity=counts[active],
+            voxel_offsets=offsets,
+            centre_voxel=((vx * ny + vy) * nz + vz)[by_window],
+            centre_window=window_number[grid_index][by_window],
+            centre_position=inside[by_window],
+        )
+
+    # stride > 1: a window runs when it holds any wanted voxel (a box sum over an integral image)
+    integral = np.zeros(tuple(s + 1 for s in spatial_shape), dtype=np.int64)
+    integral[1:, 1:, 1:] = wanted.astype(np.int64).cumsum(0).cumsum(1).cumsum(2)
+    px, py, pz = np.meshgrid(*positions, indexing="ij")
+    ex, ey, ez = extent
+    box = (integral[px + ex, py + ey, pz + ez]
+           - integral[px, py + ey, pz + ez] - integral[px + ex, py, pz + ez] - integral[px + ex, py + ey, pz]
+           + integral[px, py, pz + ez] + integral[px, py + ey, pz] + integral[px + ex, py, pz]
+           - integral[px, py, pz])
+    active = np.flatnonzero(box.ravel() > 0)
+    ax, ay, az = np.unravel_index(active, grid_shape)
+    corner = np.stack([positions[0][ax], positions[1][ay], positions[2][az]], axis=1)
+    return PatchPlan(
+        spatial_shape, extent, stride,
+        window_corner=corner,
+        multiplicity=np.ones(len(active), dtype=np.int64),
+        voxel_offsets=offsets,
+        centre_voxel=None, centre_window=None, centre_position=None,
+    )
