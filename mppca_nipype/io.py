@@ -1,0 +1,105 @@
+"""NIfTI in and out with nibabel: reading and validating inputs, writing outputs atomically.
+
+Knows nothing of the math. Every failure is raised as ``MPPCAInputError`` with one sentence for the user.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+import tempfile
+
+import nibabel as nib
+import numpy as np
+
+from .engine.errors import MPPCAInputError
+
+NIFTI_SUFFIXES = (".nii", ".nii.gz")
+
+
+def _is_nifti(path) -> bool:
+    return str(path).endswith(NIFTI_SUFFIXES)
+
+
+def load_image(path, what="input"):
+    """Open a NIfTI image (header only; data are read on demand). Raise MPPCAInputError if unreadable."""
+    path = Path(path)
+    if not path.exists():
+        raise MPPCAInputError(f"the {what} file {path} does not exist")
+    if not _is_nifti(path):
+        raise MPPCAInputError(f"the {what} file {path} is not NIfTI (.nii or .nii.gz)")
+    try:
+        return nib.load(str(path))
+    except Exception as err:  # nibabel raises many types for corrupt files
+        raise MPPCAInputError(f"the {what} file {path} cannot be read as NIfTI ({err})") from None
+
+
+def read_data(image, path, what="input", dtype=np.float32):
+    """The image's values with its scaling applied (scl_slope/scl_inter), as ``dtype``."""
+    try:
+        return np.asarray(image.get_fdata(dtype=dtype))
+    except Exception as err:
+        raise MPPCAInputError(f"the {what} file {path} is corrupt or truncated ({err})") from None
+
+
+def load_series(path):
+    """Read a 4D series: returns (float32 array, nibabel image). Scaled integer data are read scaled."""
+    image = load_image(path)
+    if len(image.shape) != 4:
+        raise MPPCAInputError(f"the input {path} must be a 4D series, but it is {len(image.shape)}D "
+                              f"{tuple(image.shape)}")
+    return read_data(image, path), image
+
+
+def load_mask(path, spatial_shape):
+    """Read a mask (non-zero = inside) of the given spatial shape; a trailing axis of length 1 is allowed."""
+    image = load_image(path, "mask")
+    data = read_data(image, path, "mask")
+    if data.ndim == 4 and data.shape[3] == 1:
+        data = data[..., 0]
+    if data.shape != tuple(spatial_shape):
+        raise MPPCAInputError(f"the mask {path} has shape {data.shape}, but the input's voxel grid is "
+                              f"{tuple(spatial_shape)}")
+    return data != 0
+
+
+def check_writable(path, what="output"):
+    """Fail now, with one sentence, if ``path`` cannot be written (before any long computation)."""
+    path = Path(path)
+    if not _is_nifti(path):
+        raise MPPCAInputError(f"the {what} file {path} must end in .nii or .nii.gz")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise MPPCAInputError(f"cannot write the {what} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise MPPCAInputError(f"cannot write the {what} {path}: the folder {folder} is not writable")
+    if path.is_dir():
+        raise MPPCAInputError(f"cannot write the {what} {path}: it is a folder")
+
+
+def save_like(array, reference, path, dtype=np.float32):
+    """Write ``array`` with the reference image's affine and header, atomically.
+
+    The data are written to a temporary file in the destination folder, then renamed over ``path``: a
+    reader never sees a half-written file, and an interrupted run leaves none behind.
+    """
+    path = Path(path)
+    header = reference.header.copy()
+    header.set_data_dtype(dtype)
+    if array.ndim != len(header.get_data_shape()):
+        header.set_data_shape(array.shape)
+    image = type(reference)(np.asarray(array, dtype=dtype), reference.affine, header)
+    image.header.set_slope_inter(1, 0)  # float output: no scaling
+    if hasattr(image.header, "set_xyzt_units"):
+        image.header.set_xyzt_units(*reference.header.get_xyzt_units())
+    suffix = ".nii.gz" if str(path).endswith(".nii.gz") else ".nii"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent if str(path.parent) else ".")
+    os.close(fd)
+    try:
+        nib.save(image, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
