@@ -86,13 +86,60 @@ def batch_size(n_voxels: int, n_volumes: int) -> int:
     return int(max(1, min(4096, BATCH_BYTES // per_window)))
 
 
-def project_windows(volume, finite, plan, options, windows: slice, eigh: str = "numpy"):
-    """MP-PCA on the windows ``windows`` of the plan.
+@dataclass
+class WindowFit:
+    """MP-PCA of a batch of windows: what the aggregation needs.
 
-    Returns the patch matrices' pieces the aggregation needs: the (centred) patches ``X`` (B, n, T), their
-    means (B, n, 1) or None, the projector (B, m, m), the Gram side (``"time"`` when m = T), the ranks,
-    sigma^2, the voxels' flat indices (B, n) and which of them took part (B, n).
+    ``patches`` (B, n, T) float64, centred when demeaning (``means`` (B, n, 1), else None); ``eigenvectors``
+    (B, m, m) of the Gram on the smaller side (``time_side``: m = T, else m = n), ascending; ``rank`` and
+    ``sigma2`` (B,); ``voxels`` (B, n) flat indices and ``took_part`` (B, n) (finite voxels).
     """
+
+    patches: np.ndarray
+    means: np.ndarray | None
+    eigenvectors: np.ndarray
+    time_side: bool
+    rank: np.ndarray
+    sigma2: np.ndarray
+    voxels: np.ndarray
+    took_part: np.ndarray
+
+    def kept(self, windows=slice(None)):
+        """The eigenvectors of the given windows with the noise components zeroed."""
+        vectors = self.eigenvectors[windows]
+        m = vectors.shape[-1]
+        keep = np.arange(m)[None, :] >= (m - self.rank[windows])[:, None]
+        return vectors * keep[:, None, :]
+
+    def reconstruct(self):
+        """X_hat = X V_P V_P^T (time side) or U_P U_P^T X (voxel side), plus the means: (B, n, T)."""
+        projector = signal_projector(self.eigenvectors, self.rank)
+        if self.time_side:
+            restored = np.matmul(self.patches, projector)
+        else:
+            restored = np.matmul(projector, self.patches)
+        if self.means is not None:
+            restored += self.means
+        return restored
+
+    def reconstruct_rows(self, window, position):
+        """Row ``position`` of window ``window``'s X_hat, for arrays of pairs: (V, T). Cheaper than
+        ``reconstruct`` when only each patch's centre row is wanted."""
+        vectors = self.eigenvectors[window]
+        kept = self.kept(window)
+        if self.time_side:  # x V_P V_P^T
+            coefficients = np.einsum("vt,vtk->vk", self.patches[window, position], kept)
+            restored = np.einsum("vk,vtk->vt", coefficients, vectors)
+        else:  # (U_P U_P^T)[c] X
+            mixing = np.einsum("vk,vnk->vn", kept[np.arange(len(window)), position], vectors)
+            restored = np.einsum("vn,vnt->vt", mixing, self.patches[window])
+        if self.means is not None:
+            restored += self.means[window, position]
+        return restored
+
+
+def fit_windows(volume, finite, plan, options, windows: slice, eigh: str = "numpy") -> WindowFit:
+    """Gather the windows ``windows`` of the plan from the volume and run MP-PCA on each."""
     base = plan.window_base(windows)
     voxels = base[:, None] + plan.voxel_offsets[None, :]
     patches = volume[voxels].astype(np.float64)  # (B, n, T); left-out voxels are rows of zeros
@@ -110,16 +157,7 @@ def project_windows(volume, finite, plan, options, windows: slice, eigh: str = "
     eigenvalues, eigenvectors = batched_eigh(gram, eigh)
     rank, sigma2 = marchenko_pastur_threshold(
         eigenvalues, took_part.sum(axis=1), n_volumes - options.demeaned, options.estimator)
-    projector = signal_projector(eigenvectors, rank)
-    return patches, means, projector, time_side, rank, sigma2, voxels, took_part
-
-
-def reconstruct(patches, means, projector, time_side):
-    """X_hat = X V_P V_P^T (time side) or U_P U_P^T X (voxel side), plus the means."""
-    restored = np.matmul(patches, projector) if time_side else np.matmul(projector, patches)
-    if means is not None:
-        restored += means
-    return restored
+    return WindowFit(patches, means, eigenvectors, time_side, rank, sigma2, voxels, took_part)
 
 
 def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):
@@ -134,20 +172,11 @@ def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
             a, b = np.searchsorted(plan.centre_window, [start, stop])
-            patches, means, projector, time_side, w_rank, w_sigma2, _, _ = project_windows(
-                volume, finite, plan, options, slice(start, stop), eigh)
+            fit = fit_windows(volume, finite, plan, options, slice(start, stop), eigh)
             window = plan.centre_window[a:b] - start
-            position = plan.centre_position[a:b]
-            own = patches[window, position]  # (V, T): each centre's own row
-            if time_side:
-                restored = np.matmul(own[:, None, :], projector[window])[:, 0]
-            else:
-                restored = np.einsum("vn,vnt->vt", projector[window, position], patches[window])
-            if means is not None:
-                restored += means[window, position]
-            rows[a - first:b - first] = restored
-            sigma[a - first:b - first] = np.sqrt(w_sigma2[window])
-            rank[a - first:b - first] = w_rank[window]
+            rows[a - first:b - first] = fit.reconstruct_rows(window, plan.centre_position[a:b])
+            sigma[a - first:b - first] = np.sqrt(fit.sigma2[window])
+            rank[a - first:b - first] = fit.rank[window]
         return plan.centre_voxel[first:last], rows, sigma, rank
 
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
@@ -159,20 +188,19 @@ def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):
     rank = np.zeros(slab_voxels)
     for start in range(unit.start, unit.stop, step):
         stop = min(start + step, unit.stop)
-        patches, means, projector, time_side, w_rank, w_sigma2, voxels, took_part = project_windows(
-            volume, finite, plan, options, slice(start, stop), eigh)
-        restored = reconstruct(patches, means, projector, time_side)
-        w = aggregation_weights(w_rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
-        voxel_weight = w[:, None] * took_part  # (B, n): left-out voxels receive nothing
-        local = voxels - slab_start
+        fit = fit_windows(volume, finite, plan, options, slice(start, stop), eigh)
+        restored = fit.reconstruct()
+        w = aggregation_weights(fit.rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
+        voxel_weight = w[:, None] * fit.took_part  # (B, n): left-out voxels receive nothing
+        local = fit.voxels - slab_start
         restored *= voxel_weight[:, :, None]
         # distinct windows put distinct voxels at the same offset: no collisions within one offset
         for offset in range(local.shape[1]):
             image[local[:, offset]] += restored[:, offset]
         flat = local.ravel()
         weight += np.bincount(flat, voxel_weight.ravel(), slab_voxels)
-        sigma += np.bincount(flat, (voxel_weight * np.sqrt(w_sigma2)[:, None]).ravel(), slab_voxels)
-        rank += np.bincount(flat, (voxel_weight * w_rank[:, None]).ravel(), slab_voxels)
+        sigma += np.bincount(flat, (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), slab_voxels)
+        rank += np.bincount(flat, (voxel_weight * fit.rank[:, None]).ravel(), slab_voxels)
     return slab_start, image, weight, sigma, rank
 
 
