@@ -1,0 +1,34 @@
+"""The GPU engine: Triton kernels (``kernels``), cuSOLVER's batched eigensolver (``eigh``) and the pipeline
+that batches windows to fit the device's memory (``pipeline``).
+
+``usable()`` says, cheaply and without raising, whether this engine can run here.
+"""
+
+from __future__ import annotations
+
+__all__ = ["usable"]
+
+
+def usable() -> str | None:
+    """None when torch and triton import and a CUDA device is usable; else one sentence saying why not.
+
+    nvmath-python is not required here: without it the eigensolver falls back to torch.linalg.eigh, with a
+    warning, when the pipeline starts.
+    """
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed (pip install 'mppca-nipype[gpu]')"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'mppca-nipype[gpu]')"
+    try:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+            return "no CUDA device is visible to torch"
+        major, _ = torch.cuda.get_device_capability()
+    except Exception as err:  # a driver too old for this torch, a device in a bad state
+        return f"the CUDA device cannot be used ({type(err).__name__}: {err})"
+    if major < 7:
+        return f"the CUDA device has compute capability {major}.x; the Triton kernels need 7.0 or newer"
+    return None

@@ -1,0 +1,217 @@
+"""Triton kernels of the GPU engine, each next to the small launcher that checks its inputs and picks the grid.
+
+The kernels read patches straight from the volume, a (V, T) float32 matrix with one row per voxel of the
+flattened (X, Y, Z) grid: a window is its corner row ``window_base`` plus the precomputed ``voxel_offsets``
+(one add per voxel, no div/mod on the hot path). No (B, n, T) batch of patches is ever stored.
+
+* ``gram``: the T x T Gram matrix of each window's (optionally voxel-centred) patch, and the number of
+  voxels that took part (finite ones); the centring is done in registers, in the same pass.
+* ``reconstruct_accumulate``: X_hat = X_c P + mean for every voxel of each window, added with the window's
+  weight into the image and weight/sigma/rank sums (``weighted`` and ``uniform`` aggregation).
+* ``reconstruct_centres``: the centre row only, written (not added) to its voxel (``center`` aggregation).
+
+These kernels serve the time side (n >= T) with T up to ``MAX_FUSED_VOLUMES``; the pipeline takes other
+shapes through batched torch products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: Largest T the fused kernels take: the T x T tile lives in registers (float32; float64 tiles are half).
+MAX_FUSED_VOLUMES = 128
+MAX_FUSED_VOLUMES_FP64 = 64
+
+
+def block_volumes(n_volumes: int) -> int:
+    """The T tile: the next power of two, at least 16 (the smallest matrix-unit operand)."""
+    return max(16, triton.next_power_of_2(n_volumes))
+
+
+def fused_fits(n_voxels: int, n_volumes: int, dtype: torch.dtype) -> bool:
+    """Whether the fused kernels take this patch shape in this Gram precision."""
+    limit = MAX_FUSED_VOLUMES_FP64 if dtype == torch.float64 else MAX_FUSED_VOLUMES
+    return n_voxels >= n_volumes and n_volumes <= limit
+
+
+def _check_volume(volume, finite):
+    if volume.dtype != torch.float32 or volume.ndim != 2 or not volume.is_contiguous():
+        raise ValueError("volume must be a contiguous (V, T) float32 tensor")
+    if finite.dtype != torch.float32 or finite.shape != volume.shape[:1]:
+        raise ValueError("finite must be a (V,) float32 tensor of 0/1")
+
+
+def _block_voxels(n_volumes: int) -> int:
+    """The voxel tile: keep a (BLOCK_N, BLOCK_T) chunk near 4096 elements."""
+    return max(16, min(64, 4096 // block_volumes(n_volumes)))
+
+
+# -- Gram ---------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gram_ptr, n_took_part_ptr,
+                 n_voxels, n_volumes,
+                 DEMEAN: tl.constexpr, FP64: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    window = tl.program_id(0)
+    base = tl.load(window_base_ptr + window)  # int64: corner row of this window
+    t = tl.arange(0, BLOCK_T)
+    volume_valid = t < n_volumes
+    if FP64:
+        gram = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float64)
+    else:
+        gram = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+    took_part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, n_voxels, BLOCK_N):
+        i = start + tl.arange(0, BLOCK_N)
+        voxel_valid = i < n_voxels
+        row = base + tl.load(voxel_offsets_ptr + i, mask=voxel_valid, other=0)
+        # one chunk of the patch: BLOCK_N voxels x all volumes (non-finite voxels hold zeros)
+        x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :],
+                    mask=voxel_valid[:, None] & volume_valid[None, :], other=0.0)
+        if DEMEAN:
+            mean = tl.sum(x, axis=1) / n_volumes
+            x = tl.where(volume_valid[None, :], x - mean[:, None], 0.0)
+        if FP64:
+            x = x.to(tl.float64)
+        gram = tl.dot(tl.trans(x), x, gram, input_precision="ieee")
+        took_part += tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
+    out = gram_ptr + window.to(tl.int64) * n_volumes * n_volumes
+    tl.store(out + t[:, None] * n_volumes + t[None, :], gram,
+             mask=volume_valid[:, None] & volume_valid[None, :])
+    tl.store(n_took_part_ptr + window, tl.sum(took_part, axis=0).to(tl.int32))
+
+
+def gram(volume, finite, window_base, voxel_offsets, *, demean: bool, dtype=torch.float32):
+    """Gram matrices X_c^T X_c (B, T, T) of the windows at ``window_base`` and their voxels taking part (B,).
+
+    ``window_base`` (B,) int64: corner row of each window; ``voxel_offsets`` (n,) int32: rows from the
+    corner. ``demean`` removes each voxel's temporal mean first. ``dtype`` is the Gram's precision
+    (float64 keeps the noise eigenvalues of an undemeaned series on a large baseline).
+    """
+    _check_volume(volume, finite)
+    n_voxels, n_volumes = voxel_offsets.numel(), volume.shape[1]
+    if not fused_fits(n_voxels, n_volumes, dtype):
+        raise ValueError(f"the fused Gram takes n >= T and T <= {MAX_FUSED_VOLUMES}, not n={n_voxels}, "
+                         f"T={n_volumes} in {dtype}")
+    batch = window_base.numel()
+    out = torch.empty((batch, n_volumes, n_volumes), dtype=dtype, device=volume.device)
+    n_took_part = torch.empty(batch, dtype=torch.int32, device=volume.device)
+    if batch:
+        _gram_kernel[(batch,)](volume, finite, window_base, voxel_offsets, out, n_took_part,
+                               n_voxels, n_volumes, DEMEAN=demean, FP64=dtype == torch.float64,
+                               BLOCK_N=_block_voxels(n_volumes), BLOCK_T=block_volumes(n_volumes),
+                               num_warps=4)
+    return out, n_took_part
+
+
+# -- reconstruct and accumulate (weighted / uniform) --------------------------------------------------------
+
+@triton.jit
+def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, projector_ptr,
+                                   patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
+                                   image_ptr, weight_ptr, sigma_ptr, rank_ptr, n_voxels, n_volumes,
+                                   DEMEAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    window = tl.program_id(0)
+    patch_weight = tl.load(patch_weight_ptr + window)
+    if patch_weight != 0:
+        base = tl.load(window_base_ptr + window)
+        patch_sigma = tl.load(patch_sigma_ptr + window)
+        patch_rank = tl.load(patch_rank_ptr + window)
+        t = tl.arange(0, BLOCK_T)
+        volume_valid = t < n_volumes
+        projector = tl.load(projector_ptr + window.to(tl.int64) * n_volumes * n_volumes
+                            + t[:, None] * n_volumes + t[None, :],
+                            mask=volume_valid[:, None] & volume_valid[None, :], other=0.0)
+        for start in range(0, n_voxels, BLOCK_N):
+            i = start + tl.arange(0, BLOCK_N)
+            voxel_valid = i < n_voxels
+            row = base + tl.load(voxel_offsets_ptr + i, mask=voxel_valid, other=0)
+            element_valid = voxel_valid[:, None] & volume_valid[None, :]
+            x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :], mask=element_valid, other=0.0)
+            # the patch's rows projected on its signal components, the means put back
+            if DEMEAN:
+                mean = tl.sum(x, axis=1) / n_volumes
+                x = tl.where(volume_valid[None, :], x - mean[:, None], 0.0)
+            restored = tl.dot(x, projector, input_precision="ieee")
+            if DEMEAN:
+                restored += mean[:, None]
+            # voxels that took no part (non-finite) receive nothing
+            voxel_weight = patch_weight * tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
+            tl.atomic_add(image_ptr + row[:, None] * n_volumes + t[None, :], restored * voxel_weight[:, None],
+                          mask=element_valid, sem="relaxed")
+            tl.atomic_add(weight_ptr + row, voxel_weight, mask=voxel_valid, sem="relaxed")
+            tl.atomic_add(sigma_ptr + row, voxel_weight * patch_sigma, mask=voxel_valid, sem="relaxed")
+            tl.atomic_add(rank_ptr + row, voxel_weight * patch_rank, mask=voxel_valid, sem="relaxed")
+
+
+def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector, patch_weight, patch_sigma,
+                           patch_rank, image, weight, sigma, rank, *, demean: bool):
+    """Add w * (X_c P + mean) of every window to ``image`` (V, T) and w, w*sigma, w*rank to the maps (V,).
+
+    ``projector`` (B, T, T) float32; ``patch_weight``, ``patch_sigma``, ``patch_rank`` (B,) float32 (a window
+    with weight 0 is skipped: a failed eigensolve is redone on the CPU).
+    """
+    _check_volume(volume, finite)
+    batch, n_volumes = window_base.numel(), volume.shape[1]
+    if projector.shape != (batch, n_volumes, n_volumes) or projector.dtype != torch.float32:
+        raise ValueError(f"projector must be ({batch}, {n_volumes}, {n_volumes}) float32")
+    for name, vector in (("patch_weight", patch_weight), ("patch_sigma", patch_sigma),
+                         ("patch_rank", patch_rank)):
+        if vector.shape != (batch,) or vector.dtype != torch.float32:
+            raise ValueError(f"{name} must be ({batch},) float32")
+    if batch:
+        _reconstruct_accumulate_kernel[(batch,)](
+            volume, finite, window_base, voxel_offsets, projector.contiguous(), patch_weight, patch_sigma,
+            patch_rank, image, weight, sigma, rank, voxel_offsets.numel(), n_volumes, DEMEAN=demean,
+            BLOCK_N=_block_voxels(n_volumes), BLOCK_T=block_volumes(n_volumes), num_warps=4)
+
+
+# -- centre rows (center aggregation) -----------------------------------------------------------------------
+
+@triton.jit
+def _reconstruct_centres_kernel(volume_ptr, centre_voxel_ptr, centre_window_ptr, projector_ptr,
+                                patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
+                                image_ptr, weight_ptr, sigma_ptr, rank_ptr, n_volumes,
+                                DEMEAN: tl.constexpr, BLOCK_T: tl.constexpr):
+    centre = tl.program_id(0)
+    voxel = tl.load(centre_voxel_ptr + centre)  # int64 row of the centre voxel
+    window = tl.load(centre_window_ptr + centre)  # its window within the batch
+    t = tl.arange(0, BLOCK_T)
+    volume_valid = t < n_volumes
+    x = tl.load(volume_ptr + voxel * n_volumes + t, mask=volume_valid, other=0.0)
+    if DEMEAN:
+        mean = tl.sum(x, axis=0) / n_volumes
+        x = tl.where(volume_valid, x - mean, 0.0)
+    projector = tl.load(projector_ptr + window.to(tl.int64) * n_volumes * n_volumes
+                        + t[:, None] * n_volumes + t[None, :],
+                        mask=volume_valid[:, None] & volume_valid[None, :], other=0.0)
+    # the centre's own row projected on its window's signal components
+    restored = tl.sum(x[:, None] * projector, axis=0)
+    if DEMEAN:
+        restored += mean
+    patch_weight = tl.load(patch_weight_ptr + window)
+    tl.store(image_ptr + voxel * n_volumes + t, restored * patch_weight, mask=volume_valid)
+    tl.store(weight_ptr + voxel, patch_weight)
+    tl.store(sigma_ptr + voxel, patch_weight * tl.load(patch_sigma_ptr + window))
+    tl.store(rank_ptr + voxel, patch_weight * tl.load(patch_rank_ptr + window))
+
+
+def reconstruct_centres(volume, centre_voxel, centre_window, projector, patch_weight, patch_sigma, patch_rank,
+                        image, weight, sigma, rank, *, demean: bool):
+    """Write each centre voxel's own denoised row and its window's sigma and rank (``center`` aggregation).
+
+    ``centre_voxel`` (C,) int64 rows; ``centre_window`` (C,) int32 index of each centre's window in the
+    batch; ``patch_weight`` (B,) float32 is 1, or 0 for a window left to the CPU.
+    """
+    n_volumes = volume.shape[1]
+    if centre_voxel.shape != centre_window.shape:
+        raise ValueError("centre_voxel and centre_window must have the same length")
+    if projector.dtype != torch.float32 or projector.shape[1:] != (n_volumes, n_volumes):
+        raise ValueError(f"projector must be (B, {n_volumes}, {n_volumes}) float32")
+    if centre_voxel.numel():
+        _reconstruct_centres_kernel[(centre_voxel.numel(),)](
+            volume, centre_voxel, centre_window, projector.contiguous(), patch_weight, patch_sigma, patch_rank,
+            image, weight, sigma, rank, n_volumes, DEMEAN=demean, BLOCK_T=block_volumes(n_volumes),
+            num_warps=4 if n_volumes > 64 else 2)

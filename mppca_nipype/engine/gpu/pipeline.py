@@ -1,0 +1,275 @@
+"""The GPU pipeline: upload, batches of windows through Gram -> eigensolver -> estimator -> reconstruction,
+download. Same contract and same function as ``cpu.denoise_cpu``.
+
+Per batch, with no host synchronisation:
+
+1. Gram matrices of the windows: the fused Triton kernel (time side, n >= T, T up to
+   ``kernels.MAX_FUSED_VOLUMES``), or for other shapes (voxel side when n < T, long series) the patches
+   gathered into a (B, n, T) batch and multiplied by torch (cuBLAS, IEEE float32/float64).
+2. ``eigh.BatchedEigh``: cusolverDnXsyevBatched on torch's current stream; ``info`` stays on the device.
+3. ``estimators.marchenko_pastur_threshold`` and ``signal_projector`` (the CPU's own code, on torch tensors,
+   in float64 for the threshold), ``aggregation_weights`` times the window's multiplicity.
+4. Reconstruction added into (V, T) image and (V,) weight/sigma/rank sums on the device (atomics), or for
+   ``center`` each centre row written to its voxel.
+
+Precision: with voxel demeaning everything runs in float32 (the Gram of a centred patch is well
+conditioned). Without it (dwidenoise's mode) a baseline near 1000 makes the Gram's top eigenvalue ~1e6 times
+its noise eigenvalues; float32 eigenvalues then lose the noise bulk (MRtrix3's own float32 mode differs from
+its float64 mode by 2.6e-4), so the Gram and the eigensolver run in float64 there.
+
+Windows whose eigensolve did not converge get weight 0 on the device; after the run (one look at ``info``)
+they are redone on the CPU with the CPU backend's own functions and added to the sums.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ..estimators import aggregation_weights, marchenko_pastur_threshold, signal_projector
+from . import kernels
+from .eigh import BatchedEigh
+
+#: Upper bound on windows per batch (beyond it XsyevBatched gains nothing and workspaces grow linearly).
+MAX_BATCH = 16384
+#: Share of the free device memory that one batch's buffers may take.
+MEMORY_SHARE = 0.5
+
+
+def gram_precision(options, precision: str = "auto") -> torch.dtype:
+    """float32 with voxel demeaning, float64 without (see the module's note); or as asked."""
+    if precision == "auto":
+        return torch.float32 if options.demeaned else torch.float64
+    return {"float32": torch.float32, "float64": torch.float64}[precision]
+
+
+def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window):
+    m = min(n_voxels, n_volumes)
+    size = torch.empty((), dtype=dtype).element_size()
+    per_window = m * m * (2 * size + 4) + 16 * m * 8 + workspace_per_window
+    if not fused:  # gathered patches (float32 and compute precision), restored, indices
+        per_window += n_voxels * n_volumes * (4 + 2 * size) + n_voxels * 16
+    return int(per_window)
+
+
+def batch_size(device, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None) -> int:
+    """Windows per batch: what ``MEMORY_SHARE`` of the free device memory holds, at most ``MAX_BATCH``."""
+    cap = min(max_batch or MAX_BATCH, max(n_windows, 1))
+    if device.type != "cuda":
+        return cap
+    probe = 256
+    workspace = solver.workspace_bytes(probe, min(n_voxels, n_volumes), dtype) / probe
+    per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace)
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(max(1, min(cap, MEMORY_SHARE * free // per_window)))
+
+
+def _upload(array, device):
+    """Host -> device. A NumPy array is pinned in place for the copy (no CPU copy into a staging buffer);
+    returns the device tensor and a function to call once the copy is done."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host, lambda: None
+    try:
+        cudart = torch.cuda.cudart()
+        code = cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+        registered = int(getattr(code, "value", code)) == 0
+    except Exception:
+        registered = False
+    on_device = host.to(device, non_blocking=registered)
+    if not registered:
+        return on_device, lambda: None
+    return on_device, lambda: cudart.cudaHostUnregister(host.data_ptr())
+
+
+def _download(tensor):
+    """Device -> pinned host memory (25x faster than into pageable memory); returns the NumPy view."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    host.copy_(tensor, non_blocking=tensor.is_cuda)
+    return host
+
+
+def _gather_gram(volume, finite, window_base, voxel_offsets, demean, dtype, time_side):
+    """The non-fused path: patches gathered into (B, n, T), centred, and their Gram by a batched product."""
+    voxels = window_base[:, None] + voxel_offsets[None, :].to(torch.int64)
+    patches = volume[voxels].to(dtype)
+    took_part = finite[voxels]
+    means = None
+    if demean:
+        means = patches.mean(dim=2, keepdim=True)
+        patches = patches - means
+    gram = patches.mT @ patches if time_side else patches @ patches.mT
+    return gram.contiguous(), patches, means, took_part, voxels
+
+
+def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, device=None, path="auto",
+                eigensolver="auto", precision="auto", max_batch=None):
+    """Run the plan on a CUDA device and return the per-voxel sums (``engine.PatchSums``).
+
+    Parameters beyond ``cpu.denoise_cpu``'s (all optional; for tests and benchmarks):
+    ``device`` (default "cuda"; "cpu" runs the same kernels under TRITON_INTERPRET=1), ``path``
+    ("auto", "fused" or "gather": how the Gram and reconstruction are computed), ``eigensolver`` ("auto" or
+    "torch"), ``precision`` ("auto", "float32", "float64": of the Gram and eigensolver), ``max_batch``.
+    ``nprocs`` is used only for CPU redos of failed eigensolves.
+    """
+    from .. import PatchSums
+
+    started = time.perf_counter()
+    device = torch.device(device or "cuda")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    n_voxels_total = int(np.prod(data.shape[:3]))
+    n_volumes = data.shape[3]
+    n_voxels = plan.patch_size
+    demean = options.demeaned
+    center = options.aggregation == "center"
+    dtype = gram_precision(options, precision)
+    time_side = n_voxels >= n_volumes
+    fused = path == "fused" or (path == "auto" and kernels.fused_fits(n_voxels, n_volumes, dtype))
+    if fused and not kernels.fused_fits(n_voxels, n_volumes, dtype):
+        raise ValueError(f"the fused kernels do not take n={n_voxels}, T={n_volumes} in {dtype}")
+
+    volume, release_volume = _upload(np.ascontiguousarray(data.reshape(n_voxels_total, n_volumes)), device)
+    finite_flat = torch.from_numpy(finite.reshape(n_voxels_total).astype(np.float32)).to(device)
+    window_base = torch.from_numpy(plan.window_base()).to(device)
+    voxel_offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).to(device)
+    multiplicity = torch.from_numpy(plan.multiplicity.astype(np.float64)).to(device)
+    if center:
+        centre_voxel = torch.from_numpy(plan.centre_voxel.astype(np.int64)).to(device)
+        centre_window = torch.from_numpy(plan.centre_window.astype(np.int32)).to(device)
+
+    image = torch.zeros((n_voxels_total, n_volumes), dtype=torch.float32, device=device)
+    weight = torch.zeros(n_voxels_total, dtype=torch.float32, device=device)
+    sigma = torch.zeros_like(weight)
+    rank = torch.zeros_like(weight)
+
+    solver = BatchedEigh(device) if eigensolver == "auto" else _TorchEigh(device)
+    step = batch_size(device, plan.n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch)
+    starts = list(range(0, plan.n_windows, step))
+    if center:
+        centre_bounds = np.searchsorted(plan.centre_window, starts + [plan.n_windows])
+    infos = []
+    for number, start in enumerate(starts):
+        stop = min(start + step, plan.n_windows)
+        base = window_base[start:stop]
+        if fused:
+            gram, n_took_part = kernels.gram(volume, finite_flat, base, voxel_offsets, demean=demean, dtype=dtype)
+        else:
+            gram, patches, means, took_part, voxels = _gather_gram(
+                volume, finite_flat, base, voxel_offsets, demean, dtype, time_side)
+            n_took_part = took_part.sum(dim=1).to(torch.int32)
+        values, vectors, info = solver(gram)
+        infos.append(info)
+        patch_rank, sigma2 = marchenko_pastur_threshold(
+            values.to(torch.float64), n_took_part, n_volumes - demean, options.estimator)
+        projector = signal_projector(vectors, patch_rank)
+        converged = (info == 0).to(torch.float64)
+        if center:
+            patch_weight = converged
+        else:
+            patch_weight = (aggregation_weights(patch_rank, demean, options.aggregation)
+                            * multiplicity[start:stop] * converged)
+        patch_weight = patch_weight.to(torch.float32)
+        patch_sigma = torch.sqrt(sigma2).to(torch.float32)
+        patch_rank = patch_rank.to(torch.float32)
+
+        if fused:
+            projector = projector.to(torch.float32).contiguous()
+            if center:
+                a, b = centre_bounds[number], centre_bounds[number + 1]
+                kernels.reconstruct_centres(volume, centre_voxel[a:b], centre_window[a:b] - start, projector,
+                                            patch_weight, patch_sigma, patch_rank, image, weight, sigma, rank,
+                                            demean=demean)
+            else:
+                kernels.reconstruct_accumulate(volume, finite_flat, base, voxel_offsets, projector, patch_weight,
+                                               patch_sigma, patch_rank, image, weight, sigma, rank,
+                                               demean=demean)
+        else:
+            restored = patches @ projector if time_side else projector @ patches
+            if means is not None:
+                restored = restored + means
+            if center:
+                a, b = centre_bounds[number], centre_bounds[number + 1]
+                own_window = torch.from_numpy(plan.centre_window[a:b] - start).to(device)
+                own_position = torch.from_numpy(plan.centre_position[a:b]).to(device)
+                rows = centre_voxel[a:b]
+                w = patch_weight[own_window]
+                image[rows] = restored[own_window, own_position].to(torch.float32) * w[:, None]
+                weight[rows] = w
+                sigma[rows] = w * patch_sigma[own_window]
+                rank[rows] = w * patch_rank[own_window]
+            else:
+                voxel_weight = patch_weight[:, None] * took_part
+                flat = voxels.reshape(-1)
+                image.index_add_(0, flat, (restored * voxel_weight[:, :, None]).reshape(-1, n_volumes)
+                                 .to(torch.float32))
+                weight.index_add_(0, flat, voxel_weight.reshape(-1))
+                sigma.index_add_(0, flat, (voxel_weight * patch_sigma[:, None]).reshape(-1))
+                rank.index_add_(0, flat, (voxel_weight * patch_rank[:, None]).reshape(-1))
+        if progress:
+            progress(number + 1, len(starts))
+
+    # one look at the solver's verdicts, after all the work is queued
+    failed = torch.nonzero(torch.cat(infos) != 0).reshape(-1).cpu().numpy() if infos else np.empty(0, int)
+    sums = [_download(x) for x in (image, weight, sigma, rank)]
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+        peak = torch.cuda.max_memory_allocated(device)
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        peak, device_name = 0, "cpu (Triton interpreter)"
+    release_volume()
+    image, weight, sigma, rank = (x.numpy() for x in sums)
+    if len(failed):
+        _redo_on_cpu(data, finite, plan, options, failed, image, weight, sigma, rank)
+    return PatchSums(image, weight, sigma, rank,
+                     info=dict(backend="gpu", device=device_name, eigensolver=solver.backend,
+                               gram_precision=str(dtype).replace("torch.", ""),
+                               gram_path="fused" if fused else "gather", batch=step,
+                               n_redone_on_cpu=int(len(failed)), gpu_peak_bytes=int(peak),
+                               seconds_engine=time.perf_counter() - started))
+
+
+class _TorchEigh:
+    """``torch.linalg.eigh`` with BatchedEigh's interface (for comparisons: the seed ladder's second step)."""
+
+    backend = "torch.linalg.eigh"
+
+    def __init__(self, device):
+        self.device = device
+
+    def workspace_bytes(self, batch, m, dtype):
+        return 0
+
+    def __call__(self, matrices):
+        values, vectors = torch.linalg.eigh(matrices)
+        return values, vectors, torch.zeros(len(matrices), dtype=torch.int32, device=matrices.device)
+
+
+def _redo_on_cpu(data, finite, plan, options, windows, image, weight, sigma, rank):
+    """Redo the windows whose eigensolve failed with the CPU backend's functions; add them to the sums."""
+    from ..cpu import project_windows, reconstruct
+
+    n_volumes = data.shape[3]
+    volume = data.reshape(-1, n_volumes)
+    finite_flat = finite.reshape(-1)
+    patches, means, projector, time_side, w_rank, w_sigma2, voxels, took_part = project_windows(
+        volume, finite_flat, plan, options, windows)
+    restored = reconstruct(patches, means, projector, time_side)
+    if options.aggregation == "center":
+        local = {int(w): k for k, w in enumerate(windows)}
+        for centre in np.flatnonzero(np.isin(plan.centre_window, windows)):
+            k, p, v = local[int(plan.centre_window[centre])], plan.centre_position[centre], plan.centre_voxel[centre]
+            image[v] = restored[k, p]
+            weight[v] = 1.0
+            sigma[v] = np.sqrt(w_sigma2[k])
+            rank[v] = w_rank[k]
+        return
+    w = aggregation_weights(w_rank, options.demeaned, options.aggregation) * plan.multiplicity[windows]
+    voxel_weight = w[:, None] * took_part
+    np.add.at(image, voxels.ravel(), (restored * voxel_weight[:, :, None]).reshape(-1, n_volumes))
+    np.add.at(weight, voxels.ravel(), voxel_weight.ravel())
+    np.add.at(sigma, voxels.ravel(), (voxel_weight * np.sqrt(w_sigma2)[:, None]).ravel())
+    np.add.at(rank, voxels.ravel(), (voxel_weight * w_rank[:, None]).ravel())
