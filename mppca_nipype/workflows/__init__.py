@@ -1,0 +1,194 @@
+"""Workflow factories: one run (``init_mppca_wf``) and a BIDS dataset (``init_bids_wf``).
+
+Each returns a Nipype ``Workflow`` whose ``__desc__`` is the methods boilerplate users paste into papers.
+"""
+
+from __future__ import annotations
+
+from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterface, TraitedSpec, isdefined,
+                                    traits)
+from nipype.interfaces.utility import IdentityInterface
+from nipype.pipeline import engine as pe
+
+from ..engine import DEFAULTS
+from ..interfaces import MPPCADenoise, gpu_probably_usable
+
+REFERENCES = """\
+- Veraart J, Novikov DS, Christiaens D, Ades-Aron B, Sijbers J, Fieremans E (2016). Denoising of
+  diffusion MRI using random matrix theory. NeuroImage 142:394-406. doi:10.1016/j.neuroimage.2016.08.016
+- Cordero-Grande L, Christiaens D, Hutter J, Price AN, Hajnal JV (2019). Complex diffusion-weighted image
+  estimation via matrix recovery under general noise models. NeuroImage 200:391-404.
+  doi:10.1016/j.neuroimage.2019.06.039
+"""
+
+_AGGREGATION_TEXT = {
+    "center": "each voxel took the value reconstructed in the patch centred on it",
+    "weighted": "overlapping reconstructions were averaged with weights 1/(1 + P) (P: the patch's rank, "
+                "plus one when the voxel means were removed)",
+    "uniform": "overlapping reconstructions were averaged with equal weights",
+}
+
+
+def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
+                 aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], what="series") -> str:
+    """The methods paragraph for the given parameters (Markdown, with citations)."""
+    from .. import __version__
+
+    if extent == "auto":
+        size = "the smallest odd cube holding at least as many voxels as volumes"
+    elif isinstance(extent, int):
+        size = f"{extent}x{extent}x{extent} voxels"
+    else:
+        size = "x".join(str(e) for e in extent) + " voxels"
+    grid = ("centred on every voxel" if stride == 1
+            else f"on a grid of step {stride} voxels (plus patches flush with the far edges)")
+    demeaning = (" after removing each voxel's temporal mean" if demean == "voxel" else "")
+    return (
+        f"The {what} were denoised with Marchenko-Pastur principal component analysis (MP-PCA; "
+        f"[@veraart2016]) using mppca-nipype {__version__}. Local patches ({size}) were placed {grid}; "
+        f"for each patch, the eigenvalues of the voxel-by-volume matrix{demeaning} were split into signal "
+        f"and noise by the Marchenko-Pastur law, with the noise level and number of signal components "
+        f"estimated as in MRtrix3's dwidenoise (estimator '{estimator}', [@cordero2019]), and only the "
+        f"signal components were kept; {_AGGREGATION_TEXT[aggregation]}. Maps of the estimated noise "
+        f"standard deviation and of the number of signal components were saved with the denoised data.\n"
+    )
+
+
+def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
+                  estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
+                  demean=DEFAULTS["demean"], use_gpu=None, num_threads=1):
+    """MP-PCA denoising of one 4D series.
+
+    Parameters
+    ----------
+    name : str
+        The workflow's name.
+    extent, stride, estimator, aggregation, demean
+        The denoising options (see :func:`mppca_nipype.denoise`).
+    use_gpu : bool, optional
+        Run on a CUDA GPU when usable (default: when a GPU is usable here).
+    num_threads : int
+        CPU worker processes for the node (Nipype's MultiProc reserves as many).
+
+    Inputs (``inputnode``)
+    ----------------------
+    in_file
+        The 4D series (NIfTI).
+    mask
+        Optional mask of the voxels to denoise.
+    metadata
+        The series' metadata (a dict, e.g. its BIDS sidecar); carried forward into ``provenance``.
+
+    Outputs (``outputnode``)
+    ------------------------
+    denoised
+        The denoised series.
+    noise, rank
+        3D maps of the noise standard deviation and the number of signal components.
+    provenance
+        JSON: the provenance block (parameters, backend, device, versions, timings, summaries, checksum)
+        under ``MPPCADenoising``, next to the input's metadata.
+    """
+    workflow = pe.Workflow(name=name)
+    workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
+                                     aggregation=aggregation, demean=demean)
+    workflow.__postdesc__ = "\n### References\n\n" + REFERENCES
+    inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata"]), name="inputnode")
+    outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "provenance"]),
+                         name="outputnode")
+    denoise = pe.Node(
+        MPPCADenoise(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
+                     demean=demean, use_gpu=gpu_probably_usable() if use_gpu is None else bool(use_gpu),
+                     num_threads=num_threads),
+        name="denoise")
+    sidecar = pe.Node(_MetadataSidecar(), name="sidecar")
+    workflow.connect([
+        (inputnode, denoise, [("in_file", "in_file"), ("mask", "mask")]),
+        (inputnode, sidecar, [("metadata", "metadata")]),
+        (denoise, sidecar, [("provenance_file", "provenance_file")]),
+        (denoise, outputnode, [("out_file", "denoised"), ("noise_file", "noise"), ("rank_file", "rank")]),
+        (sidecar, outputnode, [("out_file", "provenance")]),
+    ])
+    return workflow
+
+
+def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEFAULTS["extent"],
+                 stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
+                 aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], use_gpu=None,
+                 num_threads=1):
+    """Denoise the given BIDS runs and write them as derivatives of ``bids_dir`` into ``output_dir``.
+
+    Parameters
+    ----------
+    runs : list of mppca_nipype.bids.Run
+        From :func:`mppca_nipype.bids.query_runs` (runs with ``skip`` set are left out).
+    bids_dir, output_dir : path
+        The raw dataset (only read) and the derivative dataset.
+    other parameters
+        As for :func:`init_mppca_wf`; applied to every run.
+
+    One ``init_mppca_wf`` sub-workflow per run, named after the run, each followed by a
+    :class:`mppca_nipype.bids.DerivativesSink` node.
+    """
+    from ..bids import DerivativesSink
+
+    workflow = pe.Workflow(name=name)
+    todo = [run for run in runs if run.skip is None]
+    kinds = sorted({run.datatype for run in todo})
+    what = {("dwi",): "diffusion-weighted series", ("func",): "BOLD series"}.get(
+        tuple(kinds), "diffusion-weighted and BOLD series")
+    workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
+                                     aggregation=aggregation, demean=demean, what=what)
+    workflow.__postdesc__ = "\n### References\n\n" + REFERENCES
+    for run in todo:
+        run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
+                               estimator=estimator, aggregation=aggregation, demean=demean,
+                               use_gpu=use_gpu, num_threads=num_threads)
+        run_wf.inputs.inputnode.in_file = str(run.path)
+        run_wf.inputs.inputnode.metadata = run.metadata
+        sink = pe.Node(DerivativesSink(source_file=run.relpath, output_dir=str(output_dir)),
+                       name=f"ds_{run.node_name}", run_without_submitting=True)
+        if run.bval is not None:
+            sink.inputs.bval = str(run.bval)
+            sink.inputs.bvec = str(run.bvec)
+        workflow.connect([(run_wf, sink, [("outputnode.denoised", "in_file"), ("outputnode.noise", "noise_file"),
+                                          ("outputnode.rank", "rank_file"),
+                                          ("outputnode.provenance", "sidecar_file")])])
+    return workflow
+
+
+def citation_text(workflow) -> str:
+    """CITATION.md for a workflow built here: its methods paragraph and references."""
+    return ("# Methods\n\n" + workflow.__desc__.replace("[@veraart2016]", "Veraart et al., 2016")
+            .replace("[@cordero2019]", "Cordero-Grande et al., 2019") + workflow.__postdesc__)
+
+
+# --- the small interface that joins the input's metadata and the provenance (kept next to its only user)
+
+class _MetadataSidecarInputSpec(BaseInterfaceInputSpec):
+    metadata = traits.Dict(desc="the input's metadata")
+    provenance_file = File(exists=True, mandatory=True, desc="provenance JSON from MPPCADenoise")
+
+
+class _MetadataSidecarOutputSpec(TraitedSpec):
+    out_file = File(exists=True, desc="JSON: the metadata plus MPPCADenoising (the provenance)")
+
+
+class _MetadataSidecar(SimpleInterface):
+    """Join the input's metadata and the provenance into one JSON sidecar."""
+
+    input_spec = _MetadataSidecarInputSpec
+    output_spec = _MetadataSidecarOutputSpec
+
+    def _run_interface(self, runtime):
+        import json
+        from pathlib import Path
+
+        from ..bids import write_json_atomic
+
+        metadata = dict(self.inputs.metadata) if isdefined(self.inputs.metadata) else {}
+        provenance = json.loads(Path(self.inputs.provenance_file).read_text())
+        out_file = str(Path(runtime.cwd) / "sidecar.json")
+        write_json_atomic(out_file, {**metadata, "MPPCADenoising": provenance})
+        self._results["out_file"] = out_file
+        return runtime

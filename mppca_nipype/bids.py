@@ -1,0 +1,494 @@
+"""Everything BIDS: the dataset query, derivative names, dataset_description, sidecars and provenance.
+
+The one place that names outputs. For a source run ``<entities>_<suffix>.nii[.gz]`` (``suffix`` is ``dwi``
+or ``bold``) the derivative dataset holds, in the same sub-/ses-/datatype folder:
+
+``<entities>_desc-denoised_<suffix>.nii.gz`` + ``.json``
+    The denoised series and its sidecar: the source's metadata carried forward, ``Sources`` (``bids:raw:``
+    URIs), ``Description``, ``SkullStripped`` and the provenance block ``MPPCADenoising``.
+``<entities>_<suffix>.bval`` / ``.bvec`` (DWI only)
+    Copies of the gradient table found through BIDS inheritance. They carry no ``desc`` entity because the
+    BIDS validator accepts gradient files only under the raw naming rule; by the inheritance principle they
+    apply to the ``desc-denoised`` series next to them.
+``<entities>_desc-noise_<suffix>map.nii.gz`` and ``<entities>_desc-rank_<suffix>map.nii.gz`` + ``.json``
+    3D maps of the noise standard deviation and of the number of signal components kept. BIDS has no
+    suffix for such maps (``dwimap`` is the suffix BEP016 proposes for DWI-derived parameter maps), and a
+    3D image named ``_bold``/``_dwi`` would be read as a (broken) series by BIDS tools and rejected by the
+    validator (BOLD_NOT_4D, DWI_MISSING_BVAL). So they get a suffix no tool mistakes for a series, and the
+    derivative's ``.bidsignore`` lists them (``BIDSIGNORE`` below), with ``logs/``.
+``logs/CITATION.md``
+    The methods boilerplate with its references.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import hashlib
+from importlib.metadata import PackageNotFoundError, version as package_version
+import json
+import os
+from pathlib import Path, PurePosixPath
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterface, TraitedSpec, isdefined,
+                                    traits)
+
+from .engine.errors import MPPCAInputError
+
+PIPELINE_NAME = "mppca-nipype"
+CODE_URL = "https://github.com/mppca-nipype/mppca-nipype"
+BIDS_VERSION = "1.10.0"
+
+#: The series the app denoises: datatype -> suffix. Keys of a --bids-filter-file are the suffixes.
+SERIES = {"dwi": "dwi", "func": "bold"}
+
+#: Extra derivative outputs: kind -> (desc label, suffix ending, what the map holds).
+MAPS = {
+    "noise": ("noise", "map", "Noise standard deviation estimated by MP-PCA (same units as the input)"),
+    "rank": ("rank", "map", "Number of signal components kept by MP-PCA (mean over the patches used)"),
+}
+DENOISED_DESC = "denoised"
+
+#: What the derivative's .bidsignore lists: the noise/rank maps (no BIDS suffix exists for them) and logs.
+#: (bids-validator-deno 3.0 fails to match globs with a wildcard between fixed parts, such as
+#: ``*_desc-noise_*map.*``; a leading and a trailing wildcard work.)
+BIDSIGNORE = ("*_desc-noise_*", "*_desc-rank_*", "logs/")
+
+#: Packages whose versions every provenance block records.
+VERSIONED_PACKAGES = ("mppca-nipype", "numpy", "torch", "triton", "nvmath-python", "nipype", "pybids",
+                      "nibabel")
+
+_NIFTI = re.compile(r"(\.nii(\.gz)?)$")
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+def write_text_atomic(path, text: str):
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _jsonable(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (Path, PurePosixPath)):
+        return str(value)
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)
+
+
+def write_json_atomic(path, obj):
+    """Write ``obj`` as indented JSON, atomically (numpy scalars and paths are converted)."""
+    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=_jsonable) + "\n")
+
+
+def copy_atomic(source, destination):
+    """Copy a file so that a reader never sees it half-written."""
+    destination = Path(destination)
+    fd, tmp = tempfile.mkstemp(prefix=f".{destination.name}.", dir=destination.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(source, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, destination)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return destination
+
+
+# ------------------------------------------------------------------------------------------ provenance
+
+def package_versions() -> dict:
+    """Versions of the packages that shape the result; 'not installed' for those absent."""
+    versions = {}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = package_version(name)
+        except PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def sha256_file(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def collect_provenance(result, in_file, *, parameters, wall_seconds, mask_file=None, mask=None,
+                       warnings=()) -> dict:
+    """The provenance block of one run.
+
+    Parameters
+    ----------
+    result : DenoiseResult
+        Its ``info`` gives the resolved options, backend, device and engine timings.
+    in_file : path
+        The input series (its sha256 is recorded).
+    parameters : dict
+        The options as asked for (``extent`` may be 'auto'; ``info`` holds the resolved value).
+    wall_seconds : float
+        Time from reading the input to having the result.
+    mask_file, mask : path and (X, Y, Z) bool array, optional
+        The medians of the noise and rank maps are taken inside the mask (every voxel without one).
+    warnings : list of str
+        What the engine warned about.
+    """
+    inside = np.ones(result.sigma.shape, bool) if mask is None else np.asarray(mask, bool)
+    info = dict(result.info)
+    return {
+        "Parameters": dict(parameters),
+        "Backend": info.get("backend"),
+        "Device": info.get("device"),
+        "EngineInfo": info,
+        "SoftwareVersions": package_versions(),
+        "WallTimeSeconds": round(float(wall_seconds), 3),
+        "NoiseMedian": float(np.median(result.sigma[inside])) if inside.any() else None,
+        "RankMedian": float(np.median(result.rank[inside])) if inside.any() else None,
+        "InputFile": Path(in_file).name,
+        "InputSHA256": sha256_file(in_file),
+        "MaskFile": None if mask_file is None else Path(mask_file).name,
+        "MaskSHA256": None if mask_file is None else sha256_file(mask_file),
+        "Warnings": list(warnings),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ names
+
+def split_name(filename: str):
+    """``sub-01_task-x_bold.nii.gz`` -> (["sub-01", "task-x"], "bold", ".nii.gz"); drops any ``desc``."""
+    match = _NIFTI.search(filename)
+    if match is None:
+        raise MPPCAInputError(f"{filename} is not a NIfTI file")
+    stem = filename[:match.start()]
+    parts = stem.split("_")
+    entities = [part for part in parts[:-1] if not part.startswith("desc-")]
+    return entities, parts[-1], match.group(1)
+
+
+def derivative_names(source_relpath) -> dict:
+    """Paths, relative to OUTPUT_DIR, of every derivative of the raw run at ``source_relpath``.
+
+    Keys: ``denoised``, ``denoised_json``, ``noise``, ``noise_json``, ``rank``, ``rank_json``, and for DWI
+    ``bval``, ``bvec``.
+    """
+    source = PurePosixPath(source_relpath)
+    entities, suffix, extension = split_name(source.name)
+    folder = source.parent
+
+    def name(desc, ending):
+        return str(folder / "_".join([*entities, *([f"desc-{desc}"] if desc else []), ending]))
+
+    names = {"denoised": name(DENOISED_DESC, suffix) + extension,
+             "denoised_json": name(DENOISED_DESC, suffix) + ".json"}
+    for kind, (desc, ending, _) in MAPS.items():
+        names[kind] = name(desc, suffix + ending) + extension
+        names[f"{kind}_json"] = name(desc, suffix + ending) + ".json"
+    if suffix == "dwi":
+        names["bval"] = name(None, suffix) + ".bval"
+        names["bvec"] = name(None, suffix) + ".bvec"
+    return names
+
+
+def raw_uri(relpath) -> str:
+    return f"bids:raw:{PurePosixPath(relpath)}"
+
+
+# ------------------------------------------------------------------------------------------------ query
+
+@dataclass
+class Run:
+    """One series found in the input dataset."""
+
+    path: Path
+    relpath: str
+    datatype: str
+    suffix: str
+    entities: dict
+    metadata: dict = field(default_factory=dict)
+    bval: Path | None = None
+    bvec: Path | None = None
+    skip: str | None = None
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.relpath).name
+
+    @property
+    def node_name(self) -> str:
+        """A name Nipype accepts, unique within the dataset."""
+        stem = _NIFTI.sub("", self.name)
+        return re.sub(r"[^A-Za-z0-9]", "_", stem)
+
+
+def dataset_fingerprint(bids_dir) -> str:
+    """A digest of the dataset's file list (names, sizes, times): a changed dataset gets a fresh index."""
+    digest = hashlib.sha256()
+    root = Path(bids_dir)
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith(".")
+                               and not (Path(folder) == root and d in ("derivatives", "sourcedata", "code")))
+        for name in sorted(files):
+            stat = os.stat(os.path.join(folder, name))
+            digest.update(f"{os.path.relpath(os.path.join(folder, name), root)}\0{stat.st_size}\0"
+                          f"{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def open_layout(bids_dir, work_dir):
+    """A pybids BIDSLayout of ``bids_dir`` whose database lives in ``work_dir`` (reused while the dataset
+    is unchanged). Nothing is written into ``bids_dir``."""
+    from bids import BIDSLayout
+
+    database = Path(work_dir) / "bids_db" / dataset_fingerprint(bids_dir)
+    database.parent.mkdir(parents=True, exist_ok=True)
+    return BIDSLayout(str(bids_dir), validate=False, database_path=str(database))
+
+
+def _label(value: str, prefix: str) -> str:
+    return value[len(prefix):] if value.startswith(prefix) else value
+
+
+def normalise_labels(labels, prefix):
+    """Labels given with or without their prefix (``sub-01`` or ``01``) -> bare labels, or None."""
+    if not labels:
+        return None
+    return [_label(str(label), prefix) for label in labels]
+
+
+def check_filters(filters, layout) -> dict:
+    """Validate a pybids-style filter dict ({"dwi": {...}, "bold": {...}}); turn null/"*" into queries."""
+    from bids.layout import Query
+
+    if not isinstance(filters, dict):
+        raise MPPCAInputError("the BIDS filter file must hold a JSON object such as {\"bold\": {\"task\": \"rest\"}}")
+    known = set(layout.get_entities()) | {"extension", "suffix", "datatype", "subject", "session"}
+    checked = {}
+    for key, query in filters.items():
+        if key not in SERIES.values():
+            raise MPPCAInputError(
+                f"the BIDS filter file has a key {key!r}; the keys are {' and '.join(SERIES.values())}")
+        if not isinstance(query, dict):
+            raise MPPCAInputError(f"the BIDS filter file's {key!r} entry must be an object of entity: value")
+        unknown = sorted(set(query) - known)
+        if unknown:
+            raise MPPCAInputError(f"the BIDS filter file names unknown entities: {', '.join(unknown)}")
+        checked[key] = {entity: Query.NONE if value is None else Query.ANY if value == "*" else value
+                        for entity, value in query.items()}
+    return checked
+
+
+def query_runs(layout, *, participants=None, sessions=None, datatypes=("dwi", "func"), filters=None):
+    """Every DWI and BOLD run the labels and filters select, in a stable order.
+
+    DWI runs get their ``.bval``/``.bvec`` through BIDS inheritance. Multi-echo (``echo-``) and complex
+    (``part-``) runs, and DWI runs without a gradient table, come back with ``skip`` set to the reason.
+    """
+    filters = filters or {}
+    runs = []
+    for datatype in datatypes:
+        suffix = SERIES[datatype]
+        query = dict(datatype=datatype, suffix=suffix, extension=[".nii.gz", ".nii"])
+        if participants:
+            query["subject"] = participants
+        if sessions:
+            query["session"] = sessions
+        query.update(filters.get(suffix, {}))
+        for bids_file in layout.get(return_type="object", invalid_filters="allow", **query):
+            path = Path(bids_file.path)
+            entities = {k: v for k, v in bids_file.get_entities().items() if k not in ("extension",)}
+            run = Run(path=path, relpath=PurePosixPath(path.relative_to(layout.root)).as_posix(),
+                      datatype=datatype, suffix=suffix, entities=entities,
+                      metadata=dict(layout.get_metadata(str(path))))
+            if "echo" in entities:
+                run.skip = "multi-echo runs are not denoised yet (echoes must be denoised jointly)"
+            elif "part" in entities:
+                run.skip = "magnitude/phase (part-) runs are not denoised yet (complex denoising is not supported)"
+            elif datatype == "dwi":
+                bval, bvec = layout.get_bval(str(path)), layout.get_bvec(str(path))
+                if not bval or not bvec:
+                    run.skip = "no .bval/.bvec found for it"
+                else:
+                    run.bval, run.bvec = Path(bval), Path(bvec)
+            runs.append(run)
+    runs.sort(key=lambda run: run.relpath)
+    return runs
+
+
+# ------------------------------------------------------------------------------------ dataset-level files
+
+def dataset_description(bids_dir) -> dict:
+    """The derivative's dataset_description.json."""
+    from . import __version__
+
+    raw_path = Path(bids_dir) / "dataset_description.json"
+    try:
+        raw = json.loads(raw_path.read_text())
+    except (OSError, ValueError):
+        raw = {}
+    source = {"URL": Path(bids_dir).resolve().as_uri()}
+    if raw.get("DatasetDOI"):
+        source["DOI"] = raw["DatasetDOI"]
+    return {
+        "Name": f"MP-PCA denoised: {raw.get('Name', Path(bids_dir).name)}",
+        "BIDSVersion": BIDS_VERSION,
+        "DatasetType": "derivative",
+        "GeneratedBy": [{"Name": PIPELINE_NAME, "Version": __version__, "CodeURL": CODE_URL}],
+        "SourceDatasets": [source],
+        "DatasetLinks": {"raw": Path(bids_dir).resolve().as_uri()},
+        "HowToAcknowledge": "Cite Veraart et al. 2016 and Cordero-Grande et al. 2019; "
+                            "logs/CITATION.md has a methods paragraph.",
+    }
+
+
+def owner_of(output_dir):
+    """The pipeline that made the dataset in ``output_dir`` (None when there is none or it is ours)."""
+    path = Path(output_dir) / "dataset_description.json"
+    if not path.exists():
+        return None
+    try:
+        generated = json.loads(path.read_text()).get("GeneratedBy") or [{}]
+        name = generated[0].get("Name")
+    except (OSError, ValueError, AttributeError, IndexError):
+        return "an unreadable dataset_description.json"
+    return None if name == PIPELINE_NAME else (name or "another tool")
+
+
+def write_dataset_files(output_dir, bids_dir, citation: str):
+    """dataset_description.json, .bidsignore, README.md (when absent) and logs/CITATION.md."""
+    output_dir = Path(output_dir)
+    (output_dir / "logs").mkdir(parents=True, exist_ok=True)
+    write_json_atomic(output_dir / "dataset_description.json", dataset_description(bids_dir))
+    ignore = output_dir / ".bidsignore"
+    lines = ignore.read_text().splitlines() if ignore.exists() else []
+    write_text_atomic(ignore, "\n".join(lines + [p for p in BIDSIGNORE if p not in lines]) + "\n")
+    readme = output_dir / "README.md"
+    if not readme.exists():
+        write_text_atomic(readme, README)
+    write_text_atomic(output_dir / "logs" / "CITATION.md", citation)
+
+
+README = """# MP-PCA denoised derivatives (mppca-nipype)
+
+Each DWI and BOLD run of the source dataset, denoised by Marchenko-Pastur PCA:
+
+- `*_desc-denoised_<dwi|bold>.nii.gz` and `.json`: the denoised series; the sidecar carries the source's
+  metadata forward and records every parameter, the backend and device, library versions, timings, noise
+  and rank summaries and the input's sha256 under `MPPCADenoising`.
+- `*_dwi.bval` / `*_dwi.bvec`: the gradient table (applies to the denoised series by BIDS inheritance).
+- `*_desc-noise_<dwi|bold>map.nii.gz`, `*_desc-rank_<dwi|bold>map.nii.gz`: noise standard deviation and
+  number of signal components (BIDS has no suffix for these; listed in `.bidsignore`).
+- `logs/CITATION.md`: a methods paragraph with references.
+"""
+
+
+# --------------------------------------------------------------------------------------- derivative sink
+
+class _DerivativesSinkInputSpec(BaseInterfaceInputSpec):
+    source_file = traits.Str(mandatory=True, desc="the raw run, relative to BIDS_DIR (POSIX)")
+    output_dir = traits.Str(mandatory=True, desc="the derivative dataset's root")
+    in_file = File(exists=True, mandatory=True, desc="denoised series")
+    noise_file = File(exists=True, mandatory=True, desc="noise map")
+    rank_file = File(exists=True, mandatory=True, desc="rank map")
+    sidecar_file = File(exists=True, mandatory=True,
+                        desc="JSON from init_mppca_wf's outputnode.provenance: the source's metadata and the "
+                             "provenance block MPPCADenoising")
+    bval = File(exists=True, desc="DWI b-values")
+    bvec = File(exists=True, desc="DWI gradient directions")
+
+
+class _DerivativesSinkOutputSpec(TraitedSpec):
+    out_file = File(desc="the denoised series in the derivative dataset")
+    out_files = traits.List(File, desc="every file written")
+
+
+class DerivativesSink(SimpleInterface):
+    """Write one run's derivatives into OUTPUT_DIR under the names ``derivative_names`` gives, atomically.
+
+    Like Nipype's DataSink it always runs, so that deleted outputs come back on a rerun.
+    """
+
+    input_spec = _DerivativesSinkInputSpec
+    output_spec = _DerivativesSinkOutputSpec
+    always_run = True
+
+    def _run_interface(self, runtime):
+        root = Path(self.inputs.output_dir)
+        names = derivative_names(self.inputs.source_file)
+        sources = [raw_uri(self.inputs.source_file)]
+        sidecar = json.loads(Path(self.inputs.sidecar_file).read_text())
+        written = []
+
+        def target(key):
+            path = root / names[key]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            written.append(str(path))
+            return path
+
+        provenance = sidecar.pop("MPPCADenoising", None)
+        sidecar.update({"Sources": sources,
+                        "Description": "Denoised by Marchenko-Pastur PCA (MP-PCA); see logs/CITATION.md",
+                        "SkullStripped": False, "MPPCADenoising": provenance})
+        copy_atomic(self.inputs.in_file, target("denoised"))
+        write_json_atomic(target("denoised_json"), sidecar)
+        for kind, file in (("noise", self.inputs.noise_file), ("rank", self.inputs.rank_file)):
+            copy_atomic(file, target(kind))
+            write_json_atomic(target(f"{kind}_json"), {"Description": MAPS[kind][2], "Sources": sources})
+        if "bval" in names and isdefined(self.inputs.bval) and isdefined(self.inputs.bvec):
+            copy_atomic(self.inputs.bval, target("bval"))
+            copy_atomic(self.inputs.bvec, target("bvec"))
+        self._results.update(out_file=written[0], out_files=written)
+        return runtime
+
+
+# ------------------------------------------------------------------------------------------ the validator
+
+def validator_command():
+    """The BIDS validator's executable (``bids-validator-deno`` from PyPI), or None when not installed."""
+    return shutil.which("bids-validator-deno") or shutil.which("bids-validator")
+
+
+def validate(dataset, timeout=600):
+    """Run the BIDS validator on ``dataset``.
+
+    Returns ``(errors, note)``: ``errors`` is a list of ``"CODE at /path"`` strings (None when the validator
+    could not run) and ``note`` says why it could not.
+    """
+    command = validator_command()
+    if command is None:
+        return None, "the BIDS validator is not installed (pip install bids-validator-deno)"
+    try:
+        done = subprocess.run([command, "--format", "json", str(dataset)], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+        report = json.loads(done.stdout)
+        issues = report["issues"]["issues"]
+    except subprocess.TimeoutExpired:
+        return None, f"the BIDS validator did not finish within {timeout} s"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "the BIDS validator could not run"
+    errors = [f"{issue.get('code')} at {issue.get('location', '/')}" for issue in issues
+              if issue.get("severity") == "error"]
+    return errors, None

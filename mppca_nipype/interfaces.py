@@ -1,0 +1,133 @@
+"""Nipype interfaces: MP-PCA denoising as a node in any workflow.
+
+``MPPCADenoise`` reads a 4D NIfTI series (and an optional mask), calls :func:`mppca_nipype.denoise` and writes
+the denoised series, the noise and rank maps and a provenance JSON into the node's directory. It holds no
+algorithm: the engine does the work, :mod:`mppca_nipype.io` the reading and writing, and
+:func:`mppca_nipype.bids.collect_provenance` the bookkeeping.
+
+Example
+-------
+>>> from nipype import Node
+>>> from mppca_nipype.interfaces import MPPCADenoise
+>>> denoise = Node(MPPCADenoise(stride=1, aggregation="center", demean="none"), name="denoise")
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib.util import find_spec
+import os
+from pathlib import Path
+import time
+import warnings
+
+from nipype import logging
+from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterface, TraitedSpec, isdefined,
+                                    traits)
+from nipype.utils.filemanip import fname_presuffix
+
+from .engine import DEFAULTS
+
+LOGGER = logging.getLogger("nipype.interface")
+
+
+@lru_cache(maxsize=1)
+def gpu_probably_usable() -> bool:
+    """Whether the GPU engine can probably run here, decided cheaply (nothing is imported or initialised).
+
+    True when torch, triton and nvmath-python are installed, the package's GPU engine is present, an NVIDIA
+    device node exists and ``CUDA_VISIBLE_DEVICES`` does not hide every device. This only picks the default
+    of ``use_gpu`` (so that Nipype's MultiProc reserves a GPU slot); the engine makes the real check when it
+    runs and falls back to the CPU.
+    """
+    try:
+        if any(find_spec(name) is None for name in ("torch", "triton", "nvmath")):
+            return False
+        if find_spec("mppca_nipype.engine.gpu.pipeline") is None:
+            return False
+    except (ImportError, ValueError):
+        return False
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return (gpus.is_dir() and any(gpus.iterdir())) or Path("/dev/nvidia0").exists()
+
+
+class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
+    in_file = File(exists=True, mandatory=True, desc="4D series to denoise (DWI or BOLD), NIfTI")
+    mask = File(exists=True, desc="voxels to denoise (non-zero); outputs are 0 outside it")
+    extent = traits.Either(
+        traits.Enum("auto"), traits.Int, traits.List(traits.Int, minlen=3, maxlen=3),
+        default=DEFAULTS["extent"], usedefault=True,
+        desc="patch size in voxels, odd: 'auto' (smallest odd e with e^3 >= volumes), one int or three")
+    stride = traits.Int(DEFAULTS["stride"], usedefault=True,
+                        desc="patch grid step; 1 makes every voxel the centre of a patch (dwidenoise)")
+    estimator = traits.Enum("exp2", "exp1", usedefault=True,
+                            desc="Marchenko-Pastur noise estimator (Cordero-Grande 2019: exp2; Veraart 2016: exp1)")
+    aggregation = traits.Enum("weighted", "center", "uniform", usedefault=True,
+                              desc="how overlapping patches combine; 'center' needs stride 1")
+    demean = traits.Enum("voxel", "none", usedefault=True,
+                         desc="remove each voxel's temporal mean inside a patch before PCA ('none': dwidenoise)")
+    use_gpu = traits.Bool(gpu_probably_usable(), usedefault=True,
+                          desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
+                               "GPU slot for the node. Default: true when a GPU is usable here")
+    num_threads = traits.Int(1, usedefault=True, nohash=True, desc="CPU worker processes")
+
+
+class _MPPCADenoiseOutputSpec(TraitedSpec):
+    out_file = File(exists=True, desc="denoised series (float32, same grid and header as the input)")
+    noise_file = File(exists=True, desc="3D map of the noise standard deviation estimated by MP-PCA")
+    rank_file = File(exists=True, desc="3D map of the number of signal components kept")
+    provenance_file = File(exists=True, desc="JSON: parameters, backend, device, versions, timings, "
+                                             "noise and rank summaries, input checksum")
+
+
+class MPPCADenoise(SimpleInterface):
+    """Marchenko-Pastur PCA denoising of a 4D series (Veraart 2016; Cordero-Grande 2019).
+
+    With ``use_gpu`` false the CPU engine runs with ``num_threads`` worker processes; with ``use_gpu`` true
+    the GPU engine runs when usable, else the CPU engine (the provenance records which ran).
+    """
+
+    input_spec = _MPPCADenoiseInputSpec
+    output_spec = _MPPCADenoiseOutputSpec
+
+    def _run_interface(self, runtime):
+        from . import io
+        from .bids import collect_provenance, write_json_atomic
+        from .engine import MPPCAWarning, denoise
+
+        start = time.perf_counter()
+        data, image = io.load_series(self.inputs.in_file)
+        mask = None
+        if isdefined(self.inputs.mask):
+            mask = io.load_mask(self.inputs.mask, data.shape[:3])
+        parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride,
+                          estimator=self.inputs.estimator, aggregation=self.inputs.aggregation,
+                          demean=self.inputs.demean)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", MPPCAWarning)
+            result = denoise(data, mask, **parameters, device="auto" if self.inputs.use_gpu else "cpu",
+                             nprocs=self.inputs.num_threads)
+        notes = [str(w.message) for w in caught if issubclass(w.category, MPPCAWarning)]
+        for note in notes:
+            LOGGER.warning("MPPCADenoise %s: %s", Path(self.inputs.in_file).name, note)
+
+        out_file = fname_presuffix(self.inputs.in_file, suffix="_denoised", newpath=runtime.cwd)
+        noise_file = fname_presuffix(self.inputs.in_file, suffix="_noise", newpath=runtime.cwd)
+        rank_file = fname_presuffix(self.inputs.in_file, suffix="_rank", newpath=runtime.cwd)
+        io.save_like(result.denoised, image, out_file)
+        io.save_like(result.sigma, image, noise_file)
+        io.save_like(result.rank, image, rank_file)
+
+        provenance = collect_provenance(
+            result, self.inputs.in_file,
+            mask_file=self.inputs.mask if isdefined(self.inputs.mask) else None,
+            mask=mask, parameters=dict(parameters, use_gpu=bool(self.inputs.use_gpu),
+                                       num_threads=self.inputs.num_threads),
+            wall_seconds=time.perf_counter() - start, warnings=notes)
+        provenance_file = str(Path(runtime.cwd) / "provenance.json")
+        write_json_atomic(provenance_file, provenance)
+        self._results.update(out_file=out_file, noise_file=noise_file, rank_file=rank_file,
+                             provenance_file=provenance_file)
+        return runtime
