@@ -70,11 +70,11 @@ def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gra
         # one chunk of the patch: BLOCK_N voxels x all volumes (non-finite voxels hold zeros)
         x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :],
                     mask=voxel_valid[:, None] & volume_valid[None, :], other=0.0)
+        if FP64:
+            x = x.to(tl.float64)
         if DEMEAN:
             mean = tl.sum(x, axis=1) / n_volumes
             x = tl.where(volume_valid[None, :], x - mean[:, None], 0.0)
-        if FP64:
-            x = x.to(tl.float64)
         gram = tl.dot(tl.trans(x), x, gram, input_precision="ieee")
         took_part += tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
     out = gram_ptr + window.to(tl.int64) * n_volumes * n_volumes

@@ -250,26 +250,24 @@ class _TorchEigh:
 
 def _redo_on_cpu(data, finite, plan, options, windows, image, weight, sigma, rank):
     """Redo the windows whose eigensolve failed with the CPU backend's functions; add them to the sums."""
-    from ..cpu import project_windows, reconstruct
+    from ..cpu import fit_windows
 
     n_volumes = data.shape[3]
-    volume = data.reshape(-1, n_volumes)
-    finite_flat = finite.reshape(-1)
-    patches, means, projector, time_side, w_rank, w_sigma2, voxels, took_part = project_windows(
-        volume, finite_flat, plan, options, windows)
-    restored = reconstruct(patches, means, projector, time_side)
+    fit = fit_windows(data.reshape(-1, n_volumes), finite.reshape(-1), plan, options, windows)
+    restored = fit.reconstruct()
     if options.aggregation == "center":
         local = {int(w): k for k, w in enumerate(windows)}
         for centre in np.flatnonzero(np.isin(plan.centre_window, windows)):
-            k, p, v = local[int(plan.centre_window[centre])], plan.centre_position[centre], plan.centre_voxel[centre]
-            image[v] = restored[k, p]
+            k, v = local[int(plan.centre_window[centre])], plan.centre_voxel[centre]
+            image[v] = restored[k, plan.centre_position[centre]]
             weight[v] = 1.0
-            sigma[v] = np.sqrt(w_sigma2[k])
-            rank[v] = w_rank[k]
+            sigma[v] = np.sqrt(fit.sigma2[k])
+            rank[v] = fit.rank[k]
         return
-    w = aggregation_weights(w_rank, options.demeaned, options.aggregation) * plan.multiplicity[windows]
-    voxel_weight = w[:, None] * took_part
-    np.add.at(image, voxels.ravel(), (restored * voxel_weight[:, :, None]).reshape(-1, n_volumes))
-    np.add.at(weight, voxels.ravel(), voxel_weight.ravel())
-    np.add.at(sigma, voxels.ravel(), (voxel_weight * np.sqrt(w_sigma2)[:, None]).ravel())
-    np.add.at(rank, voxels.ravel(), (voxel_weight * w_rank[:, None]).ravel())
+    w = aggregation_weights(fit.rank, options.demeaned, options.aggregation) * plan.multiplicity[windows]
+    voxel_weight = w[:, None] * fit.took_part
+    flat = fit.voxels.ravel()
+    np.add.at(image, flat, (restored * voxel_weight[:, :, None]).reshape(-1, n_volumes))
+    np.add.at(weight, flat, voxel_weight.ravel())
+    np.add.at(sigma, flat, (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel())
+    np.add.at(rank, flat, (voxel_weight * fit.rank[:, None]).ravel())

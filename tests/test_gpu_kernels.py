@@ -1,0 +1,246 @@
+"""The GPU engine's Triton kernels and pipeline, run on the CPU under Triton's interpreter.
+
+Each kernel is compared with a float64 NumPy reference on small inputs of awkward sizes (T not a power of
+two, patch sizes not multiples of the voxel tile, overlapping windows, windows with weight 0); the whole
+pipeline is compared with the CPU backend for every option. Needs torch and triton (CPU builds suffice);
+skipped without them, except in CI (MPPCA_REQUIRE_PEERS=1), where they must be present.
+
+Triton decides at decoration time whether a kernel is interpreted, for its own library too, so
+TRITON_INTERPRET=1 must be set before triton is first imported. Where no CUDA device is present and triton is
+not yet imported (CI), this module sets it and runs its tests in this process. Elsewhere (a GPU machine,
+where other tests need compiled kernels) one test runs this file in a child process under the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+if os.environ.get("MPPCA_REQUIRE_PEERS") != "1":
+    pytest.importorskip("torch")
+import torch  # noqa: E402
+
+
+def _interpret_in_this_process() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return "triton" not in sys.modules and not torch.cuda.is_available()
+
+
+IN_PROCESS = _interpret_in_this_process()
+if IN_PROCESS:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import
+if os.environ.get("MPPCA_REQUIRE_PEERS") != "1":
+    pytest.importorskip("triton")
+interpreted = pytest.mark.skipif(not IN_PROCESS, reason="runs in a child process under TRITON_INTERPRET=1")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the interpreted tests run in this process")
+def test_kernels_under_the_interpreter_in_a_child_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+
+from mppca_nipype.engine import check_data, plan_patches, resolve_options  # noqa: E402
+from mppca_nipype.engine.cpu import denoise_cpu  # noqa: E402
+from mppca_nipype.phantoms import low_rank_phantom  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernels module (decorated under the interpreter: see the module's docstring)."""
+    from mppca_nipype.engine.gpu import kernels as module
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    return module
+
+
+def random_windows(rng, n_rows, n_windows, n_voxels):
+    """Window corners and voxel offsets of a random layout whose windows overlap."""
+    offsets = np.sort(rng.choice(n_rows // 2, size=n_voxels, replace=False)).astype(np.int32)
+    base = rng.integers(0, n_rows - offsets.max(), size=n_windows).astype(np.int64)
+    return base, offsets
+
+
+def as_tensors(*arrays):
+    return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+
+
+def centred(patches, demean):
+    return patches - patches.mean(axis=2, keepdims=True) if demean else patches
+
+
+@interpreted
+@pytest.mark.parametrize("demean", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n_volumes, n_voxels", [(13, 37), (20, 20), (3, 70)])
+def test_gram_kernel_matches_float64_reference(kernels, demean, dtype, n_volumes, n_voxels):
+    rng = np.random.default_rng(n_volumes * 100 + n_voxels)
+    n_rows = 400
+    volume = (1000 + 30 * rng.standard_normal((n_rows, n_volumes))).astype(np.float32)
+    finite = (rng.random(n_rows) > 0.1).astype(np.float32)
+    base, offsets = random_windows(rng, n_rows, 7, n_voxels)
+    gram, n_took_part = kernels.gram(*as_tensors(volume, finite, base, offsets), demean=demean,
+                                     dtype=getattr(torch, dtype))
+    voxels = base[:, None] + offsets[None, :]
+    patches = centred(volume[voxels].astype(np.float64), demean)
+    expected = patches.transpose(0, 2, 1) @ patches
+    tolerance = 1e-5 if dtype == "float32" else 1e-12
+    assert gram.dtype == getattr(torch, dtype)
+    assert np.linalg.norm(gram.numpy() - expected) / np.linalg.norm(expected) < tolerance
+    np.testing.assert_array_equal(n_took_part.numpy(), finite[voxels].sum(axis=1))
+
+
+@interpreted
+@pytest.mark.parametrize("demean", [True, False])
+@pytest.mark.parametrize("n_volumes, n_voxels", [(13, 37), (33, 40)])
+def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_volumes, n_voxels):
+    rng = np.random.default_rng(n_volumes)
+    n_rows, n_windows = 300, 9
+    volume = (100 + 10 * rng.standard_normal((n_rows, n_volumes))).astype(np.float32)
+    finite = (rng.random(n_rows) > 0.1).astype(np.float32)
+    base, offsets = random_windows(rng, n_rows, n_windows, n_voxels)
+    projector = rng.standard_normal((n_windows, n_volumes, n_volumes)).astype(np.float32)
+    patch_weight = rng.uniform(0.1, 1, n_windows).astype(np.float32)
+    patch_weight[3] = 0  # a window left to the CPU adds nothing
+    patch_sigma = rng.uniform(1, 5, n_windows).astype(np.float32)
+    patch_rank = rng.integers(0, 5, n_windows).astype(np.float32)
+    outputs = as_tensors(np.zeros((n_rows, n_volumes), np.float32), *(np.zeros(n_rows, np.float32) for _ in range(3)))
+    kernels.reconstruct_accumulate(*as_tensors(volume, finite, base, offsets, projector, patch_weight,
+                                               patch_sigma, patch_rank), *outputs, demean=demean)
+
+    voxels = base[:, None] + offsets[None, :]
+    patches = volume[voxels].astype(np.float64)
+    means = patches.mean(axis=2, keepdims=True) if demean else 0
+    restored = (patches - means) @ projector.astype(np.float64) + means
+    voxel_weight = patch_weight[:, None].astype(np.float64) * finite[voxels]
+    expected = [np.zeros((n_rows, n_volumes)), np.zeros(n_rows), np.zeros(n_rows), np.zeros(n_rows)]
+    np.add.at(expected[0], voxels.ravel(), (restored * voxel_weight[:, :, None]).reshape(-1, n_volumes))
+    np.add.at(expected[1], voxels.ravel(), voxel_weight.ravel())
+    np.add.at(expected[2], voxels.ravel(), (voxel_weight * patch_sigma[:, None]).ravel())
+    np.add.at(expected[3], voxels.ravel(), (voxel_weight * patch_rank[:, None]).ravel())
+    for got, want in zip(outputs, expected):
+        assert np.linalg.norm(got.numpy() - want) / np.linalg.norm(want) < 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("demean", [True, False])
+def test_reconstruct_centres_writes_each_centre_row(kernels, demean):
+    rng = np.random.default_rng(5)
+    n_rows, n_volumes, n_windows = 60, 19, 6
+    volume = (100 + 10 * rng.standard_normal((n_rows, n_volumes))).astype(np.float32)
+    centre_voxel = rng.choice(n_rows, size=15, replace=False).astype(np.int64)
+    centre_window = np.sort(rng.integers(0, n_windows, size=15)).astype(np.int32)
+    projector = rng.standard_normal((n_windows, n_volumes, n_volumes)).astype(np.float32)
+    patch_weight = np.ones(n_windows, np.float32)
+    patch_sigma = rng.uniform(1, 5, n_windows).astype(np.float32)
+    patch_rank = rng.integers(0, 5, n_windows).astype(np.float32)
+    poison = np.float32(-7.0)
+    outputs = as_tensors(np.full((n_rows, n_volumes), poison), *(np.full(n_rows, poison) for _ in range(3)))
+    kernels.reconstruct_centres(*as_tensors(volume, centre_voxel, centre_window, projector, patch_weight,
+                                            patch_sigma, patch_rank), *outputs, demean=demean)
+
+    rows = volume[centre_voxel].astype(np.float64)
+    mean = rows.mean(axis=1, keepdims=True) if demean else 0
+    expected = np.einsum("ct,cts->cs", rows - mean, projector[centre_window].astype(np.float64)) + mean
+    image, weight, sigma, rank = (x.numpy() for x in outputs)
+    assert np.linalg.norm(image[centre_voxel] - expected) / np.linalg.norm(expected) < 1e-6
+    np.testing.assert_array_equal(weight[centre_voxel], 1)
+    np.testing.assert_allclose(sigma[centre_voxel], patch_sigma[centre_window])
+    np.testing.assert_array_equal(rank[centre_voxel], patch_rank[centre_window])
+    others = np.setdiff1d(np.arange(n_rows), centre_voxel)
+    assert (image[others] == poison).all() and (weight[others] == poison).all()
+
+
+@interpreted
+def test_eigensolver_fallback_returns_ascending_values_and_column_vectors():
+    from mppca_nipype.engine.gpu.eigh import BatchedEigh
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((5, 11, 11))
+    matrices = a @ a.transpose(0, 2, 1)
+    values, vectors, info = BatchedEigh("cpu")(torch.from_numpy(matrices.copy()))
+    values, vectors = values.numpy(), vectors.numpy()
+    assert (np.diff(values, axis=1) >= 0).all()
+    np.testing.assert_allclose(matrices @ vectors, vectors * values[:, None, :], atol=1e-9)
+    assert (info.numpy() == 0).all()
+
+
+def run_both(noisy, mask=None, path="auto", **options):
+    """The CPU backend's sums and the GPU pipeline's (on the CPU, interpreted), for the same plan."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    data, mask = check_data(noisy, mask)
+    resolved = resolve_options(data.shape, **options)
+    finite = np.isfinite(data).all(axis=3)
+    data = np.where(finite[..., None], data, np.float32(0))
+    plan = plan_patches(data.shape[:3], resolved.extent, resolved.stride, mask, finite)
+    cpu = denoise_cpu(data, finite, plan, resolved, nprocs=1)
+    gpu = denoise_gpu(data, finite, plan, resolved, device="cpu", path=path)
+    return cpu, gpu, mask
+
+
+def assert_same_denoising(cpu, gpu, mask):
+    served = (cpu.weight > 0) & mask.ravel()
+    np.testing.assert_allclose(gpu.weight, cpu.weight, rtol=1e-5, atol=1e-6)
+    denoised_cpu = cpu.image[served] / cpu.weight[served, None]
+    denoised_gpu = gpu.image[served] / gpu.weight[served, None]
+    rms = np.sqrt(np.mean((denoised_gpu - denoised_cpu) ** 2) / np.mean(denoised_cpu**2))
+    assert rms < 1e-5
+    rank_cpu = cpu.rank[served] / cpu.weight[served]
+    rank_gpu = gpu.rank[served] / gpu.weight[served]
+    assert np.mean(np.abs(rank_gpu - rank_cpu) < 1e-3) >= 0.995
+    sigma_cpu = cpu.sigma[served] / cpu.weight[served]
+    sigma_gpu = gpu.sigma[served] / gpu.weight[served]
+    assert np.sqrt(np.mean((sigma_gpu - sigma_cpu) ** 2) / np.mean(sigma_cpu**2)) < 1e-3
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("uniform", 3), ("center", 1)])
+@pytest.mark.parametrize("demean", ["voxel", "none"])
+def test_pipeline_matches_cpu_backend(kernels, aggregation, stride, demean):
+    noisy, _ = low_rank_phantom((6, 5, 5) if stride == 1 else (7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=stride)
+    cpu, gpu, mask = run_both(noisy, extent=3, stride=stride, estimator="exp2", aggregation=aggregation,
+                              demean=demean)
+    assert gpu.info["gram_path"] == "fused"
+    assert gpu.info["gram_precision"] == ("float32" if demean == "voxel" else "float64")
+    assert_same_denoising(cpu, gpu, mask)
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
+def test_pipeline_with_mask_nan_voxels_and_exp1_matches_cpu_backend(kernels, aggregation, stride):
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=17, rank=3, sigma=5.0, seed=4)
+    noisy[2, 3, 1, 5] = np.nan
+    noisy[4, 1, 2, 0] = np.inf
+    mask = np.zeros(noisy.shape[:3], bool)
+    mask[1:6, 1:5, 0:4] = True
+    cpu, gpu, mask = run_both(noisy, mask, extent=(3, 3, 5), stride=stride, estimator="exp1",
+                              aggregation=aggregation, demean="voxel")
+    assert_same_denoising(cpu, gpu, mask)
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
+@pytest.mark.parametrize("demean", ["voxel", "none"])
+def test_voxel_side_gram_when_patch_has_fewer_voxels_than_volumes(kernels, aggregation, stride, demean):
+    noisy, _ = low_rank_phantom((6, 5, 5), n_volumes=40, rank=3, sigma=5.0, seed=6)
+    cpu, gpu, mask = run_both(noisy, extent=3, stride=stride, estimator="exp2", aggregation=aggregation,
+                              demean=demean)
+    assert gpu.info["gram_path"] == "gather"
+    assert_same_denoising(cpu, gpu, mask)
+
+
+@interpreted
+def test_gathered_path_matches_fused_path(kernels):
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=12, rank=2, sigma=5.0, seed=7)
+    options = dict(extent=3, stride=2, estimator="exp2", aggregation="weighted", demean="voxel")
+    _, fused, _ = run_both(noisy, path="fused", **options)
+    _, gathered, _ = run_both(noisy, path="gather", **options)
+    np.testing.assert_allclose(gathered.image, fused.image, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(gathered.rank, fused.rank, atol=1e-4)
