@@ -1,0 +1,204 @@
+"""What every command of the package shares: one-line errors and warnings, a progress bar, staged outputs.
+
+MRtrix3's manners: every problem is one sentence on stderr (``<prog>: error: ...``, ``<prog>: warning:
+...``), long work shows a progress bar on stderr, ``--quiet`` silences everything but warnings and errors.
+Exit status: 0 done, 1 the input or the environment is wrong, 2 the command line is wrong, 130 interrupted
+(Ctrl-C), 143 terminated (SIGTERM, e.g. a batch job's time limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from contextlib import contextmanager
+import os
+from pathlib import Path
+import signal
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+from ..engine.errors import MPPCAInputError, MPPCAWarning
+
+#: Whether the last thing written to stderr was a progress bar left without its newline.
+_bar_on_line = False
+
+
+def say(line: str) -> None:
+    """Write one line to stderr, first ending a progress bar drawn on the same line."""
+    global _bar_on_line
+    if _bar_on_line:
+        sys.stderr.write("\n")
+        _bar_on_line = False
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def one_line(message) -> str:
+    """``message`` with its whitespace (newlines included) collapsed: one line, whatever it holds."""
+    return " ".join(str(message).split())
+
+
+def fail(prog: str, message, status: int = 1):
+    """Print ``<prog>: error: <message>`` on stderr and exit with ``status`` (never returns)."""
+    say(f"{prog}: error: {one_line(message)}")
+    sys.exit(status)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``<prog>: error: ... (see <prog> --help)``), exit 2."""
+
+    def error(self, message):
+        fail(self.prog, f"{message} (see {self.prog} --help)", 2)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that cleanup (``finally``) runs as for Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+@contextmanager
+def user_errors(prog: str):
+    """Turn what the user must fix, or did on purpose, into one line on stderr and an exit status.
+
+    ``MPPCAInputError`` -> its sentence, exit 1 (``MemoryError`` too); Ctrl-C -> "interrupted", exit 130;
+    SIGTERM -> "terminated", exit 143. Anything else is a bug and keeps its traceback.
+    """
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:  # signal handlers can only be set there
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    except MPPCAInputError as err:
+        fail(prog, err)
+    except MemoryError:
+        fail(prog, "not enough memory for this input on this machine")
+    except KeyboardInterrupt:
+        fail(prog, "interrupted", 130)
+    except _Terminated:
+        fail(prog, "terminated", 143)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def warnings_as_lines(prog: str):
+    """Show each warning raised inside the block as one line, ``<prog>: warning: <message>``, once."""
+    shown = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = one_line(message)
+        if text not in shown:
+            shown.add(text)
+            say(f"{prog}: warning: {text}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", MPPCAWarning)
+        warnings.showwarning = show
+        yield
+
+
+class ProgressBar:
+    """A progress bar on stderr; an instance is the engine's ``progress(done, total)`` callback.
+
+    On a terminal it is redrawn in place (at most ten times a second) and ends as one clean line; in a log
+    (stderr not a terminal) it says nothing for the first ``delay`` seconds, so short runs stay silent,
+    then writes a line at each further tenth of the work. ``quiet=True`` draws nothing. Use it as a
+    context manager so that the bar's line is ended whatever happens.
+    """
+
+    def __init__(self, prog: str, label: str = "denoising", *, quiet: bool = False, delay: float = 2.0):
+        self.prog, self.label, self.quiet, self.delay = prog, label, quiet, delay
+        self.started = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self.last_drawn = 0.0
+        self.last_tenth = -1
+        self.drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.quiet or total <= 0:
+            return
+        now = time.monotonic()
+        elapsed = now - self.started
+        fraction = min(done / total, 1.0)
+        if self.tty:
+            if done < total and now - self.last_drawn < 0.1:
+                return
+            self._draw(fraction, elapsed)
+            self.last_drawn = now
+        elif elapsed >= self.delay:
+            tenth = int(fraction * 10)
+            if tenth > self.last_tenth:
+                self.last_tenth = tenth
+                say(f"{self.prog}: {self.label} {fraction:4.0%} ({elapsed:.0f} s)")
+
+    def _draw(self, fraction: float, elapsed: float) -> None:
+        global _bar_on_line
+        width = 30
+        filled = int(round(fraction * width))
+        left = ""
+        if 0.02 < fraction < 1:
+            left = f", {elapsed * (1 - fraction) / fraction:.0f} s left"
+        sys.stderr.write(f"\r{self.prog}: {self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                         f"{fraction:4.0%} ({elapsed:.0f} s{left})\033[K")
+        sys.stderr.flush()
+        self.drawn = True
+        _bar_on_line = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        global _bar_on_line
+        if _bar_on_line:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            _bar_on_line = False
+        return False
+
+
+@contextmanager
+def staged_outputs(paths):
+    """Reserve a temporary file beside each output; on success of the block, rename them all into place.
+
+    ``paths``: the destinations, or a mapping from each to what it is ("noise map") for the messages.
+    Yields ``{path as given: temporary Path}`` (same folder and suffix, hidden name). Creating the
+    temporary files up front proves every destination can be written before any work is done; writing to
+    them and renaming only at the end means a failure or an interrupt at any step leaves no output at all
+    (the temporary files are removed, and outputs already renamed are taken back). The outputs get the
+    usual permissions (0666 less the umask), not the temporary files' private ones.
+    """
+    staged = {}
+    try:
+        for given in paths:
+            path = Path(given)
+            suffix = ".nii.gz" if path.name.endswith(".nii.gz") else path.suffix
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+            except OSError as err:
+                what = paths[given] if isinstance(paths, Mapping) else "output"
+                raise MPPCAInputError(f"cannot write the {what} {path}: {err.strerror}") from None
+            os.close(fd)
+            staged[given] = Path(tmp)
+        yield staged
+        umask = os.umask(0o022)
+        os.umask(umask)
+        renamed = []
+        try:
+            for given, tmp in staged.items():
+                os.chmod(tmp, 0o666 & ~umask)  # temporary files are private; outputs follow the umask
+                os.replace(tmp, given)
+                renamed.append(Path(given))
+        except BaseException:
+            for path in renamed:
+                path.unlink(missing_ok=True)
+            raise
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)

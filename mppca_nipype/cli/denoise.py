@@ -1,0 +1,205 @@
+"""``mppca-denoise IN OUT [options]``: MP-PCA denoising of one 4D NIfTI series.
+
+Every option and file is checked before any voxel is read (input header, mask shape, option values,
+output destinations), so a mistake fails at once with one sentence. The outputs are written to temporary
+files beside their destinations and renamed into place together at the end: a failure or an interrupt at any
+step leaves no output behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+
+import numpy as np
+
+from .. import io
+from ..engine import DEFAULTS, DEVICES, MIN_VOLUMES, MPPCAInputError, MPPCAWarning, denoise, resolve_options
+from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
+from .common import ArgumentParser, ProgressBar, say, staged_outputs, user_errors, warnings_as_lines
+
+PROG = "mppca-denoise"
+
+DESCRIPTION = """\
+Denoise a 4D diffusion or functional MRI series by Marchenko-Pastur PCA
+(MP-PCA; Veraart et al. 2016, Cordero-Grande et al. 2019). Each patch of voxels
+is split into signal and noise components by the Marchenko-Pastur law and
+projected onto its signal components; overlapping patches are combined.
+IN and OUT are NIfTI files (.nii or .nii.gz); OUT is float32 with IN's affine
+and header."""
+
+EPILOG = """\
+MRtrix3 dwidenoise's mode is --stride 1 --aggregation center --demean none
+(with --estimator exp2, its default, or exp1). The defaults here (stride 2,
+weighted aggregation, voxel demeaning, exp2) were chosen by measurement.
+
+exit status: 0 done; 1 the input cannot be denoised or an output cannot be
+written; 2 the command line is wrong; 130 interrupted (Ctrl-C); 143 terminated
+(SIGTERM). On any failure no output file is left behind."""
+
+
+def parse_extent(text: str):
+    """``auto``, ``N`` or ``X,Y,Z`` (odd positive integers) -> "auto", an int, or a tuple of three ints."""
+    if text == "auto":
+        return "auto"
+    problem = f"must be 'auto', an odd number N or three odd numbers X,Y,Z, not {text!r}"
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(problem) from None
+    if len(values) not in (1, 3) or any(v < 1 or v % 2 == 0 for v in values):
+        raise argparse.ArgumentTypeError(problem)
+    return values[0] if len(values) == 1 else values
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return value
+
+
+def build_parser() -> ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package_version = version("mppca-nipype")
+    except PackageNotFoundError:
+        package_version = "0+unknown"
+    parser = ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", metavar="IN", help="the noisy 4D series (X, Y, Z, T), .nii or .nii.gz")
+    parser.add_argument("output", metavar="OUT", help="the denoised series to write, .nii or .nii.gz")
+    parser.add_argument("--mask", metavar="M",
+                        help="3D NIfTI on IN's voxel grid: denoise only its non-zero voxels (outputs are 0 "
+                             "outside; patches may still read voxels outside it)")
+    parser.add_argument("--noise", metavar="FILE",
+                        help="also write the 3D map of the estimated noise level (standard deviation)")
+    parser.add_argument("--rank", metavar="FILE",
+                        help="also write the 3D map of the number of signal components kept")
+    parser.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|N|X,Y,Z",
+                        help="patch size in voxels, odd; 'auto' is the smallest odd e with e^3 >= T, capped "
+                             "at the image size (dwidenoise's rule) (default: %(default)s)")
+    parser.add_argument("--stride", type=positive_int, default=DEFAULTS["stride"], metavar="S",
+                        help="1: every voxel is the centre of its own patch (dwidenoise); S > 1: patches "
+                             "on a grid of step S plus one flush against each far edge, fewer patches and "
+                             "faster (default: %(default)s)")
+    parser.add_argument("--estimator", choices=ESTIMATORS, default=DEFAULTS["estimator"],
+                        help="Marchenko-Pastur noise estimator: exp1 (Veraart 2016) or exp2 (Cordero-Grande "
+                             "2019, dwidenoise's default) (default: %(default)s)")
+    parser.add_argument("--aggregation", choices=AGGREGATIONS, default=DEFAULTS["aggregation"],
+                        help="how overlapping patches combine: center takes each voxel from its own patch "
+                             "(needs --stride 1; dwidenoise), weighted averages the covering patches with "
+                             "weight 1/(1 + rank + 1 if demeaned), uniform averages them equally "
+                             "(default: %(default)s)")
+    parser.add_argument("--demean", choices=DEMEANING, default=DEFAULTS["demean"],
+                        help="voxel: remove each voxel's temporal mean inside a patch before PCA (and add it "
+                             "back); none: as dwidenoise (default: %(default)s)")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="auto: a CUDA GPU when the GPU engine is installed and usable, else the CPU "
+                             "(default: %(default)s)")
+    parser.add_argument("--nprocs", type=positive_int, metavar="N",
+                        help="CPU worker processes (default: the CPUs this process may use, at most "
+                             "SLURM_CPUS_PER_TASK under SLURM)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar and no summary; warnings and errors are still printed")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version}")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    with warnings_as_lines(PROG), user_errors(PROG):
+        run(args, parser)
+
+
+def run(args, parser) -> None:
+    """Check everything, denoise, write the outputs together, print the summary."""
+    started = time.perf_counter()
+
+    # the input's header and the mask: shapes only, no voxel of the series is read yet
+    image = io.load_image(args.input)
+    shape = tuple(image.shape)
+    if len(shape) != 4:
+        raise MPPCAInputError(f"the input {args.input} must be a 4D series, but it is {len(shape)}D {shape}")
+    if shape[3] < MIN_VOLUMES:
+        raise MPPCAInputError(f"the input {args.input} has {shape[3]} volumes; MP-PCA needs at least "
+                              f"{MIN_VOLUMES}")
+    mask = io.load_mask(args.mask, shape[:3]) if args.mask else None
+    options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
+                   aggregation=args.aggregation, demean=args.demean)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MPPCAWarning)  # denoise() gives the same warnings, once
+            resolve_options(shape, **options)
+    except MPPCAInputError as err:
+        parser.error(str(err))
+    if args.device == "cuda":
+        from ..engine import _pick_backend
+        _pick_backend("cuda")  # raises MPPCAInputError, with the reason, when no GPU can be used
+
+    # the destinations: distinct, not an input, writable (proved by creating their temporary files)
+    outputs = {args.output: "output"}
+    for path, what in ((args.noise, "noise map"), (args.rank, "rank map")):
+        if path is not None:
+            if _same_file(path, *outputs):
+                parser.error(f"the {what} {path} is also given as another output")
+            outputs[path] = what
+    for path, what in outputs.items():
+        for source in (args.input, args.mask):
+            if source is not None and _same_file(path, source):
+                parser.error(f"the {what} {path} would overwrite the input {source}")
+        io.check_writable(path, what)
+
+    with staged_outputs(outputs) as staged:
+        data = io.read_data(image, args.input)
+        with ProgressBar(PROG, quiet=args.quiet) as progress:
+            result = denoise(data, mask, **options, device=args.device, nprocs=args.nprocs,
+                             progress=progress)
+        maps = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
+        for path in outputs:
+            try:
+                io.save_like(maps[path], image, staged[path])
+            except OSError as err:
+                raise MPPCAInputError(f"cannot write the {outputs[path]} {path}: "
+                                      f"{err.strerror or err}") from None
+
+    if not args.quiet:
+        say(summary(result, data, mask, time.perf_counter() - started))
+
+
+def summary(result, data, mask, seconds: float) -> str:
+    """One line: size, time, where it ran, and the median noise and rank over the denoised voxels."""
+    info = result.info
+    where = info.get("backend", "?")
+    if info.get("device") not in (None, where):
+        where += f" on {info['device']}"
+    if info.get("backend") == "cpu" and "nprocs" in info:
+        where += f", {info['nprocs']} process{'es' if info['nprocs'] != 1 else ''}"
+    denoised = np.isfinite(data).all(axis=3)
+    if mask is not None:
+        denoised &= mask
+    count = int(np.count_nonzero(denoised))
+    if count:
+        medians = (f"median noise {np.median(result.sigma[denoised]):.4g}, "
+                   f"median rank {np.median(result.rank[denoised]):.3g} in {count} voxels")
+    else:
+        medians = "no voxel was denoised"
+    return (f"{PROG}: denoised {'x'.join(map(str, data.shape))} in {seconds:.1f} s ({where}); "
+            f"{medians}")
+
+
+def _same_file(path, *others) -> bool:
+    """Whether ``path`` names the same file as any of ``others`` (after links and relative parts)."""
+    real = os.path.realpath(path)
+    return any(real == os.path.realpath(other) for other in others)
+
+
+if __name__ == "__main__":
+    main()
