@@ -1,0 +1,282 @@
+"""One run on one GPU: check and time every variant of the GPU engine (issue 3), write JSON, print a table.
+
+    python benchmarks/gpu_suite.py [--out DIR] [--quick] [--skip-torch-eigh]
+
+(a) the seed ladder on the seed's problem: 96x96x48, T = 48, patch 11^3, stride 3 plus the flush corner
+    (12,600 patches), rank-5 phantom on a baseline near 1000, noise sigma 4, weighted aggregation with voxel
+    demeaning: NumPy one patch at a time on 1 BLAS thread (estimated from a subset), batched Gram +
+    torch.linalg.eigh, batched Gram + XsyevBatched, the fused kernels + XsyevBatched at batch 2048 (the
+    article's final step), ours (batch from free memory); plus ``denoise()`` itself, host to host.
+(b) dwidenoise mode (5^3, stride 1, centre, no demeaning, exp2) on 96x96x48x48; float64 (ours) and float32.
+(c) defaults on a DWI-like (T = 300) and an fMRI-like (T = 1000) phantom, GPU and our CPU path on this
+    machine's cores; ``--full`` runs the issue's full sizes (96x96x60x300, 64x64x40x1000), else crops of them.
+(d) peak GPU memory of each.
+
+Every time is host to host (NumPy in, NumPy out), best of 5 after a warm-up; errors are relative rms
+differences of the denoised series from a float64 reference (our CPU path) and RMSE to the ground truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+from mppca_nipype.engine import check_data, denoise, plan_patches, resolve_options
+from mppca_nipype.engine.cpu import denoise_cpu
+from mppca_nipype.engine.estimators import aggregation_weights, marchenko_pastur_threshold, signal_projector
+from mppca_nipype.engine.gpu import usable
+from mppca_nipype.engine.gpu.eigh import BatchedEigh
+from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+from mppca_nipype.phantoms import dwi_phantom, low_rank_phantom
+
+SEED_OPTIONS = dict(extent=11, stride=3, estimator="exp2", aggregation="weighted", demean="voxel")
+DWIDENOISE_OPTIONS = dict(extent=5, stride=1, estimator="exp2", aggregation="center", demean="none")
+DEFAULT_OPTIONS = dict(extent="auto", stride=2, estimator="exp2", aggregation="weighted", demean="voxel")
+
+
+def prepare(noisy, options):
+    """What ``denoise`` hands a backend: float32 data with non-finite voxels zeroed, the plan, the options."""
+    data, mask = check_data(noisy, None)
+    resolved = resolve_options(data.shape, **options)
+    finite = np.isfinite(data).all(axis=3)
+    plan = plan_patches(data.shape[:3], resolved.extent, resolved.stride, mask, finite)
+    return data, finite, plan, resolved
+
+
+def finish(sums, shape):
+    """Denoised series and rank map from a backend's sums."""
+    weight = np.where(sums.weight > 0, sums.weight, 1)
+    return ((sums.image / weight[:, None]).reshape(shape).astype(np.float32),
+            (sums.rank / weight).reshape(shape[:3]))
+
+
+def best_of(run, repeats=5, warmup=1):
+    """Best wall time of ``repeats`` calls after ``warmup``; the last result and the peak GPU memory."""
+    for _ in range(warmup):
+        result = run()
+    times = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return min(times), result, torch.cuda.max_memory_allocated()
+
+
+def errors(denoised, reference, truth):
+    d, r = denoised.astype(np.float64), reference.astype(np.float64)
+    return dict(rel_to_float64=float(np.sqrt(np.mean((d - r) ** 2) / np.mean(r**2))),
+                rmse_to_truth=float(np.sqrt(np.mean((d - truth) ** 2))) if truth is not None else None)
+
+
+def numpy_one_patch_at_a_time(data, finite, plan, options, n_patches=300):
+    """The seed ladder's first step: one patch at a time, 1 BLAS thread; seconds per patch."""
+    from threadpoolctl import threadpool_limits
+
+    volume = data.reshape(-1, data.shape[3]).astype(np.float64)
+    n_volumes = data.shape[3]
+    picks = np.linspace(0, plan.n_windows - 1, n_patches).astype(int)
+    with threadpool_limits(limits=1):
+        started = time.perf_counter()
+        for w in picks:
+            x = volume[plan.window_base([w])[0] + plan.voxel_offsets]
+            mean = x.mean(axis=1, keepdims=True)
+            x = x - mean
+            values, vectors = np.linalg.eigh(x.T @ x)
+            rank, _ = marchenko_pastur_threshold(values[None], np.array([len(x)]), n_volumes - 1, "exp2")
+            restored = x @ signal_projector(vectors[None], rank)[0] + mean
+            aggregation_weights(rank, True, "weighted")
+            del restored
+        return (time.perf_counter() - started) / n_patches
+
+
+def eigensolver_alone(count=12_600, m=48):
+    """XsyevBatched alone on ``count`` m x m matrices, float32 and float64 (ms)."""
+    solver = BatchedEigh("cuda")
+    rows = {}
+    for dtype in (torch.float32, torch.float64):
+        a = torch.randn(count, m, 2 * m, device="cuda", dtype=dtype)
+        matrices = a @ a.mT
+        work = matrices.clone()
+        solver(work)  # warm-up: workspace
+        times = []
+        for _ in range(5):
+            work.copy_(matrices)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            _, _, info = solver(work)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        assert int((info != 0).sum()) == 0
+        rows[str(dtype).replace("torch.", "")] = min(times) * 1e3
+    return rows
+
+
+def eigensolvers_on_large_matrices():
+    """XsyevBatched vs torch.linalg.eigh on long-series Gram sizes, float32 (ms per matrix)."""
+    solver = BatchedEigh("cuda")
+    rows = {}
+    for m, count in ((128, 2048), (300, 256), (1000, 32)):
+        a = torch.randn(count, m, m + 20, device="cuda")
+        matrices = a @ a.mT
+        for name, run in (("xsyev_batched", lambda: solver(matrices.clone())),
+                          ("torch_eigh", lambda: torch.linalg.eigh(matrices))):
+            run()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            rows[f"{name}_m{m}"] = (time.perf_counter() - started) * 1e3 / count
+        print(m, {k: v for k, v in rows.items() if k.endswith(f"m{m}")}, flush=True)
+    return rows
+
+
+def hardware():
+    props = torch.cuda.get_device_properties(0)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:
+        smi = ""
+    try:
+        import nvmath
+        nvmath_version = nvmath.__version__
+    except Exception:
+        nvmath_version = None
+    return dict(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), nvidia_smi=smi,
+                cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+                torch=torch.__version__, triton=__import__("triton").__version__, nvmath=nvmath_version,
+                cuda=torch.version.cuda, numpy=np.__version__)
+
+
+def seed_ladder(rows, skip_torch_eigh):
+    noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
+    print(f"seed problem: {plan.n_windows} patches of {plan.patch_size} x {data.shape[3]}", flush=True)
+    started = time.perf_counter()
+    reference, _ = finish(denoise_cpu(data, finite, plan, options), data.shape)
+    cpu_seconds = time.perf_counter() - started
+    rows.append(dict(problem="seed", variant=f"our CPU path, {os.cpu_count()} processes (float64 reference)",
+                     ms=cpu_seconds * 1e3, **errors(reference, reference, truth), peak_gib=0.0))
+
+    per_patch = numpy_one_patch_at_a_time(data, finite, plan, options)
+    rows.append(dict(problem="seed", variant="numpy, one patch at a time, 1 BLAS thread (estimated)",
+                     ms=per_patch * plan.n_windows * 1e3, rel_to_float64=None, rmse_to_truth=None, peak_gib=0.0))
+
+    variants = [
+        ("batched Gram + torch.linalg.eigh", dict(path="gather", eigensolver="torch"), 1),
+        ("batched Gram + XsyevBatched", dict(path="gather"), 5),
+        ("fused kernels + XsyevBatched, batch 2048 (article's final step)", dict(path="fused", max_batch=2048), 5),
+        ("ours: denoise_gpu (batch from free memory)", dict(), 5),
+    ]
+    for name, kwargs, repeats in variants:
+        if skip_torch_eigh and kwargs.get("eigensolver") == "torch":
+            continue
+        seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs),
+                                      repeats=repeats, warmup=1 if repeats > 1 else 0)
+        denoised, _ = finish(sums, data.shape)
+        rows.append(dict(problem="seed", variant=name, ms=seconds * 1e3, **errors(denoised, reference, truth),
+                         peak_gib=peak / 2**30, batch=sums.info["batch"]))
+        print(rows[-1], flush=True)
+    seconds, result, peak = best_of(lambda: denoise(noisy, device="cuda", **SEED_OPTIONS))
+    rows.append(dict(problem="seed", variant="ours: denoise(device='cuda'), whole call", ms=seconds * 1e3,
+                     **errors(result.denoised, reference, truth), peak_gib=peak / 2**30))
+
+
+def dwidenoise_mode(rows):
+    noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=1)
+    data, finite, plan, options = prepare(noisy, DWIDENOISE_OPTIONS)
+    print(f"dwidenoise mode: {plan.n_windows} windows, {len(plan.centre_voxel)} centres", flush=True)
+    started = time.perf_counter()
+    cpu_sums = denoise_cpu(data, finite, plan, options)
+    cpu_seconds = time.perf_counter() - started
+    reference, reference_rank = finish(cpu_sums, data.shape)
+    rows.append(dict(problem="dwidenoise 96x96x48x48", variant=f"our CPU path, {os.cpu_count()} processes",
+                     ms=cpu_seconds * 1e3, **errors(reference, reference, truth), peak_gib=0.0))
+    for name, kwargs in (("ours (float64 Gram + XsyevBatched)", dict()),
+                         ("float32 Gram + XsyevBatched", dict(precision="float32"))):
+        seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs))
+        denoised, rank = finish(sums, data.shape)
+        rows.append(dict(problem="dwidenoise 96x96x48x48", variant=name, ms=seconds * 1e3,
+                         **errors(denoised, reference, truth), peak_gib=peak / 2**30, batch=sums.info["batch"],
+                         rank_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3))))
+        print(rows[-1], flush=True)
+    seconds, result, peak = best_of(lambda: denoise(noisy, device="cuda", **DWIDENOISE_OPTIONS), repeats=3)
+    rows.append(dict(problem="dwidenoise 96x96x48x48", variant="ours: denoise(device='cuda'), whole call",
+                     ms=seconds * 1e3, **errors(result.denoised, reference, truth), peak_gib=peak / 2**30))
+
+
+def defaults(rows, full):
+    cases = [("DWI-like", (96, 96, 60) if full else (40, 40, 24), 300),
+             ("fMRI-like", (64, 64, 40) if full else (28, 28, 18), 1000)]
+    for name, shape, n_volumes in cases:
+        if name == "DWI-like":
+            noisy, truth, _, _ = dwi_phantom(shape, n_volumes=n_volumes, sigma=20.0, seed=2)
+        else:
+            noisy, truth = low_rank_phantom(shape, n_volumes=n_volumes, rank=8, sigma=10.0, seed=3)
+        problem = f"defaults {name} {'x'.join(map(str, shape))}x{n_volumes}"
+        data, finite, plan, options = prepare(noisy, DEFAULT_OPTIONS)
+        print(f"{problem}: {plan.n_windows} windows of {plan.patch_size} x {n_volumes}", flush=True)
+        started = time.perf_counter()
+        reference, _ = finish(denoise_cpu(data, finite, plan, options), data.shape)
+        cpu_seconds = time.perf_counter() - started
+        rows.append(dict(problem=problem, variant=f"our CPU path, {os.cpu_count()} processes", ms=cpu_seconds * 1e3,
+                         **errors(reference, reference, truth), peak_gib=0.0, n_windows=plan.n_windows))
+        seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options), repeats=2)
+        denoised, _ = finish(sums, data.shape)
+        rows.append(dict(problem=problem, variant=f"ours ({sums.info['gram_path']} Gram + {sums.info['eigensolver']})",
+                         ms=seconds * 1e3, **errors(denoised, reference, truth), peak_gib=peak / 2**30,
+                         batch=sums.info["batch"], speedup_vs_cpu=cpu_seconds / seconds))
+        print(rows[-1], flush=True)
+
+
+def table(rows):
+    lines = ["| problem | variant | time (ms) | rel. to float64 | RMSE to truth | peak GPU (GiB) |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        rel = "" if r.get("rel_to_float64") is None else f"{r['rel_to_float64']:.1e}"
+        rmse = "" if r.get("rmse_to_truth") is None else f"{r['rmse_to_truth']:.3f}"
+        lines.append(f"| {r['problem']} | {r['variant']} | {r['ms']:.1f} | {rel} | {rmse} | {r['peak_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
+    parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
+    parser.add_argument("--only", default="abcde", help="which parts to run: any of a, b, c, e")
+    args = parser.parse_args()
+    reason = usable()
+    if reason is not None:
+        raise SystemExit(f"the GPU engine cannot run here: {reason}")
+    report = dict(hardware=hardware(), rows=[])
+    print(report["hardware"], flush=True)
+    rows = report["rows"]
+    if "e" in args.only:
+        report["xsyev_batched_alone_ms_12600x48"] = eigensolver_alone()
+        print("XsyevBatched alone:", report["xsyev_batched_alone_ms_12600x48"], flush=True)
+        report["eigensolver_ms_per_matrix"] = eigensolvers_on_large_matrices()
+    if "a" in args.only:
+        seed_ladder(rows, args.skip_torch_eigh)
+    if "b" in args.only:
+        dwidenoise_mode(rows)
+    if "c" in args.only:
+        defaults(rows, args.full)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_suite.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
