@@ -1,0 +1,402 @@
+"""``mppca-nipype BIDS_DIR OUTPUT_DIR participant [options]``: MP-PCA denoising of a BIDS dataset.
+
+A BIDS app (BIDS-Apps and BIDS execution-spec conventions): every DWI and BOLD run the labels and filters
+select is denoised by a Nipype workflow and written as a BIDS derivative dataset with its provenance.
+``mppca-nipype --demo OUTPUT_DIR`` writes a small generated dataset and runs the whole pipeline on it.
+
+Everything is checked before any work starts; a problem is one sentence on stderr and an exit status
+(``EXIT``). BIDS_DIR is only ever read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+import sys
+import time
+import warnings
+
+from ..engine import DEFAULTS, DEVICES, MPPCAInputError, available_cpus
+from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
+from .common import fail, say
+from .denoise import parse_extent, positive_int
+
+PROG = "mppca-nipype"
+
+#: Exit statuses, as the BIDS execution spec recommends (sysexits.h).
+EXIT = dict(ok=0, failure=1, invalid_bids=16, nothing_selected=18, usage=64, input_missing=66,
+            cannot_create=73)
+
+DESCRIPTION = """\
+Denoise every DWI and BOLD run of a BIDS dataset by Marchenko-Pastur PCA (MP-PCA; Veraart et al. 2016,
+Cordero-Grande et al. 2019) and write a BIDS derivative dataset: per run the denoised series
+(*_desc-denoised_<dwi|bold>.nii.gz) with a JSON sidecar holding its provenance, .bval/.bvec for DWI, noise
+and rank maps, and logs/CITATION.md. BIDS_DIR is never written to.
+
+First time? Try:  mppca-nipype --demo ./mppca-demo"""
+
+EPILOG = """\
+exit status: 0 done; 1 a run failed (crash reports in OUTPUT_DIR/logs); 16 BIDS_DIR is not valid BIDS;
+18 the labels and filters select no run; 64 the command line is wrong; 66 an input (BIDS_DIR, filter file)
+is missing; 73 OUTPUT_DIR or the work directory cannot be created."""
+
+
+class AppError(Exception):
+    """A problem the user must fix: one sentence and the exit status."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise AppError(f"{message} (see {self.prog} --help)", EXIT["usage"])
+
+
+def report_error(message, status):
+    """One line on stderr and the exit status (the shared helper from cli.common)."""
+    fail(PROG, message, status)
+
+
+def build_parser():
+    from .. import __version__
+
+    parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("bids_dir", nargs="?", metavar="BIDS_DIR", help="the input BIDS dataset (read only)")
+    parser.add_argument("output_dir", nargs="?", metavar="OUTPUT_DIR",
+                        help="where the derivative dataset goes (created; must not lie inside BIDS_DIR)")
+    parser.add_argument("analysis_level", nargs="?", metavar="participant", choices=["participant"],
+                        help="the level of analysis; only 'participant'")
+    parser.add_argument("--demo", metavar="DIR",
+                        help="write a small generated BIDS dataset to DIR/bids (a DWI and a BOLD run, no "
+                             "download) and denoise it into DIR/derivatives/mppca-nipype")
+    select = parser.add_argument_group("what to denoise")
+    select.add_argument("--participant-label", "--participant_label", nargs="+", metavar="LABEL",
+                        help="participants to process, with or without 'sub-' (default: all)")
+    select.add_argument("--session-label", "--session_label", nargs="+", metavar="LABEL",
+                        help="sessions to process, with or without 'ses-' (default: all)")
+    select.add_argument("--datatype", nargs="+", choices=["dwi", "func"], default=["dwi", "func"],
+                        help="datatypes to denoise (default: dwi func)")
+    select.add_argument("--bids-filter-file", metavar="FILE",
+                        help="JSON of pybids filters per series kind, e.g. "
+                             '{"bold": {"task": "rest"}, "dwi": {"acquisition": "multiband"}}; '
+                             'null means "entity absent", "*" "any value"')
+    select.add_argument("--skip-bids-validation", action="store_true",
+                        help="do not check BIDS_DIR with the BIDS validator (bids-validator-deno)")
+    denoising = parser.add_argument_group("denoising (as mppca-denoise)")
+    denoising.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|N|X,Y,Z",
+                           help="patch size in voxels, odd (default: %(default)s)")
+    denoising.add_argument("--stride", type=positive_int, default=DEFAULTS["stride"], metavar="S",
+                           help="patch grid step; 1 centres a patch on every voxel (default: %(default)s)")
+    denoising.add_argument("--estimator", choices=ESTIMATORS, default=DEFAULTS["estimator"],
+                           help="Marchenko-Pastur noise estimator (default: %(default)s)")
+    denoising.add_argument("--aggregation", choices=AGGREGATIONS, default=DEFAULTS["aggregation"],
+                           help="how overlapping patches combine; center needs --stride 1 "
+                                "(default: %(default)s)")
+    denoising.add_argument("--demean", choices=DEMEANING, default=DEFAULTS["demean"],
+                           help="remove each voxel's temporal mean in a patch before PCA "
+                                "(default: %(default)s)")
+    execution = parser.add_argument_group("execution")
+    execution.add_argument("-w", "--work-dir", metavar="DIR",
+                           help="Nipype's working directory and the pybids index, reused by reruns "
+                                "(default: OUTPUT_DIR/.mppca-work)")
+    execution.add_argument("--nprocs", "--n-cpus", type=positive_int, default=None, metavar="N",
+                           help="CPUs to use in all (default: the CPUs this process may use)")
+    execution.add_argument("--device", choices=DEVICES, default="auto",
+                           help="auto: a CUDA GPU when usable, else the CPU (default: %(default)s)")
+    execution.add_argument("--plugin", default="MultiProc",
+                           help="Nipype execution plugin: Linear, MultiProc, SLURM, SGE, PBS... "
+                                "(default: %(default)s)")
+    execution.add_argument("--plugin-args", metavar="JSON",
+                           help='arguments of the plugin as JSON, e.g. \'{"sbatch_args": "-p short"}\'')
+    execution.add_argument("--quiet", action="store_true", help="print only warnings and errors")
+    execution.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser
+
+
+def main(argv=None):
+    os.environ.setdefault("NIPYPE_NO_ET", "1")  # no version check over the network
+    try:
+        args = build_parser().parse_args(argv)
+        status = run(args)
+    except AppError as err:
+        report_error(err, err.status)
+    except KeyboardInterrupt:
+        report_error("interrupted", 130)
+    sys.exit(status)
+
+
+# ------------------------------------------------------------------------------------------- checking
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_arguments(args):
+    """Everything that needs no file: positional arguments, option values, plugin and its arguments."""
+    if args.demo:
+        if args.bids_dir or args.output_dir:
+            raise AppError("--demo takes its own directory; give either --demo DIR or "
+                           "BIDS_DIR OUTPUT_DIR participant", EXIT["usage"])
+    elif not (args.bids_dir and args.output_dir and args.analysis_level):
+        missing = [name for name, value in (("BIDS_DIR", args.bids_dir), ("OUTPUT_DIR", args.output_dir),
+                                            ("participant", args.analysis_level)) if not value]
+        raise AppError(f"missing {', '.join(missing)}: the command is "
+                       f"{PROG} BIDS_DIR OUTPUT_DIR participant (or {PROG} --demo DIR)", EXIT["usage"])
+    if args.aggregation == "center" and args.stride != 1:
+        raise AppError("--aggregation center takes each voxel from its own patch and needs --stride 1",
+                       EXIT["usage"])
+    from nipype.pipeline import plugins
+
+    if not hasattr(plugins, f"{args.plugin}Plugin"):
+        known = sorted(name[:-6] for name in dir(plugins) if name.endswith("Plugin") and name != "Plugin")
+        raise AppError(f"--plugin {args.plugin} is not a Nipype plugin (one of {', '.join(known)})",
+                       EXIT["usage"])
+    plugin_args = {}
+    if args.plugin_args:
+        try:
+            plugin_args = json.loads(args.plugin_args)
+        except ValueError as err:
+            raise AppError(f"--plugin-args is not valid JSON ({err})", EXIT["usage"]) from None
+        if not isinstance(plugin_args, dict):
+            raise AppError("--plugin-args must be a JSON object such as '{\"n_procs\": 4}'", EXIT["usage"])
+    args.plugin_args = plugin_args
+
+
+def check_input(args):
+    """BIDS_DIR and the filter file exist and read; BIDS_DIR looks like BIDS; the filter file is JSON."""
+    bids_dir = Path(args.bids_dir).resolve()
+    if not bids_dir.exists():
+        raise AppError(f"BIDS_DIR {args.bids_dir} does not exist", EXIT["input_missing"])
+    if not bids_dir.is_dir():
+        raise AppError(f"BIDS_DIR {args.bids_dir} is not a folder", EXIT["input_missing"])
+    if not (bids_dir / "dataset_description.json").is_file():
+        raise AppError(f"BIDS_DIR {args.bids_dir} is not a BIDS dataset: it has no dataset_description.json",
+                       EXIT["invalid_bids"])
+    filters = {}
+    if args.bids_filter_file:
+        path = Path(args.bids_filter_file)
+        if not path.is_file():
+            raise AppError(f"the BIDS filter file {path} does not exist", EXIT["input_missing"])
+        try:
+            filters = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise AppError(f"the BIDS filter file {path} is not valid JSON ({err})", EXIT["usage"]) from None
+    return bids_dir, filters
+
+
+def prepare_output(args, bids_dir):
+    """Create OUTPUT_DIR and the work directory (never inside BIDS_DIR); refuse another tool's dataset."""
+    from ..bids import owner_of
+
+    output_dir = Path(args.output_dir).resolve()
+    work_dir = Path(args.work_dir).resolve() if args.work_dir else output_dir / ".mppca-work"
+    for what, path in (("OUTPUT_DIR", output_dir), ("the work directory", work_dir)):
+        if _inside(path, bids_dir):
+            raise AppError(f"{what} {path} lies inside BIDS_DIR, which is never written to; choose a folder "
+                           "outside it", EXIT["cannot_create"])
+        if _inside(bids_dir, path):
+            raise AppError(f"{what} {path} contains BIDS_DIR; choose a folder outside it",
+                           EXIT["cannot_create"])
+    owner = owner_of(output_dir)
+    if owner:
+        raise AppError(f"OUTPUT_DIR {output_dir} already holds a dataset made by {owner}; choose another "
+                       "folder", EXIT["cannot_create"])
+    for what, path in (("OUTPUT_DIR", output_dir), ("the work directory", work_dir)):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise AppError(f"cannot create {what} {path}: {err.strerror or err}", EXIT["cannot_create"]) \
+                from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise AppError(f"cannot write into {what} {path}: permission denied", EXIT["cannot_create"])
+    return output_dir, work_dir
+
+
+def select_runs(args, layout, filters):
+    """The runs to denoise and those skipped, after checking the labels exist."""
+    from ..bids import check_filters, normalise_labels, query_runs
+
+    participants = normalise_labels(args.participant_label, "sub-")
+    sessions = normalise_labels(args.session_label, "ses-")
+    for labels, known, what, prefix in ((participants, layout.get_subjects(), "participant", "sub-"),
+                                        (sessions, layout.get_sessions(), "session", "ses-")):
+        missing = sorted(set(labels or ()) - set(known))
+        if missing:
+            have = ", ".join(prefix + label for label in sorted(known)) or "none"
+            raise AppError(f"{what} label {', '.join(prefix + m for m in missing)} is not in BIDS_DIR "
+                           f"(it has: {have})", EXIT["nothing_selected"])
+    try:
+        filters = check_filters(filters, layout)
+    except MPPCAInputError as err:
+        raise AppError(str(err), EXIT["usage"]) from None
+    runs = query_runs(layout, participants=participants, sessions=sessions, datatypes=args.datatype,
+                      filters=filters)
+    todo = [run for run in runs if run.skip is None]
+    skipped = [run for run in runs if run.skip is not None]
+    if not todo:
+        why = (f"; {len(skipped)} skipped (" + "; ".join(f"{r.name}: {r.skip}" for r in skipped) + ")"
+               if skipped else "")
+        raise AppError(f"the labels and filters select no {' or '.join(args.datatype)} run to denoise{why}",
+                       EXIT["nothing_selected"])
+    return todo, skipped
+
+
+# -------------------------------------------------------------------------------------------- running
+
+def run(args) -> int:
+    started = time.monotonic()
+    check_arguments(args)
+    quiet = args.quiet
+
+    def note(line):
+        if not quiet:
+            say(f"{PROG}: {line}")
+
+    if args.demo:
+        from ..demo import write_demo_dataset
+
+        demo = Path(args.demo).resolve()
+        if (demo / "bids").exists() and not (demo / "bids" / "dataset_description.json").exists():
+            raise AppError(f"{demo / 'bids'} exists and is not the demo dataset; choose another DIR",
+                           EXIT["cannot_create"])
+        try:
+            if not (demo / "bids").exists():
+                write_demo_dataset(demo / "bids")
+        except OSError as err:
+            raise AppError(f"cannot write the demo dataset into {demo}: {err.strerror or err}",
+                           EXIT["cannot_create"]) from None
+        note(f"demo dataset (one subject: a DWI run and a BOLD run) in {demo / 'bids'}")
+        args.bids_dir, args.output_dir = str(demo / "bids"), str(demo / "derivatives" / PROG)
+        args.analysis_level = "participant"
+        args.work_dir = args.work_dir or str(demo / "work")
+
+    bids_dir, filters = check_input(args)
+    if not args.skip_bids_validation:
+        from ..bids import validate
+
+        errors, why_not = validate(bids_dir)
+        if errors:
+            raise AppError(f"BIDS_DIR is not valid BIDS: the validator found {len(errors)} error"
+                           f"{'s' if len(errors) > 1 else ''} ({'; '.join(errors[:3])}"
+                           f"{'; ...' if len(errors) > 3 else ''}); fix them or pass --skip-bids-validation",
+                           EXIT["invalid_bids"])
+        if why_not:
+            say(f"{PROG}: warning: BIDS_DIR was not validated: {why_not}")
+
+    use_gpu = False
+    if args.device == "cuda":
+        from ..engine import _pick_backend
+
+        try:
+            _pick_backend("cuda")
+        except MPPCAInputError as err:
+            raise AppError(str(err), EXIT["failure"]) from None
+        use_gpu = True
+    elif args.device == "auto":
+        from ..interfaces import gpu_probably_usable
+
+        use_gpu = gpu_probably_usable()
+    output_dir, work_dir = prepare_output(args, bids_dir)
+
+    from ..bids import open_layout
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pybids' deprecation chatter
+        layout = open_layout(bids_dir, work_dir)
+        todo, skipped = select_runs(args, layout, filters)
+    for run_ in skipped:
+        say(f"{PROG}: warning: skipping {run_.relpath}: {run_.skip}")
+    note(f"denoising {len(todo)} run{'s' if len(todo) > 1 else ''} "
+         f"({', '.join(sorted({r.suffix for r in todo}))}) into {output_dir}")
+
+    failed = execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note)
+    _print_run_warnings(todo, output_dir, quiet)
+    if failed:
+        raise AppError(f"{len(failed)} of {len(todo)} runs failed ({', '.join(failed)}); crash reports are "
+                       f"in {output_dir / 'logs'}", EXIT["failure"])
+    note(f"done in {time.monotonic() - started:.1f} s: {len(todo)} denoised run"
+         f"{'s' if len(todo) > 1 else ''} in {output_dir}; methods text in {output_dir / 'logs' / 'CITATION.md'}")
+    return EXIT["ok"]
+
+
+def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
+    """Build the workflow, write the dataset-level files, run it; return the names of failed runs."""
+    from nipype import config, logging
+
+    from ..bids import write_dataset_files
+    from ..workflows import citation_text, init_bids_wf
+
+    nprocs = args.nprocs or available_cpus()
+    config.update_config({"execution": {"crashdump_dir": str(output_dir / "logs"), "crashfile_format": "txt",
+                                        "stop_on_first_crash": False, "remove_unnecessary_outputs": False,
+                                        "poll_sleep_duration": 0.2 if args.plugin in ("MultiProc", "Linear")
+                                        else 2},
+                          "monitoring": {"enabled": False}})
+    config.set("logging", "workflow_level", "WARNING" if not args.quiet else "ERROR")
+    config.set("logging", "interface_level", "ERROR")
+    config.set("logging", "utils_level", "ERROR")
+    logging.update_logging(config)
+
+    workflow = init_bids_wf(todo, bids_dir=bids_dir, output_dir=output_dir, extent=args.extent,
+                            stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
+                            demean=args.demean, use_gpu=use_gpu, num_threads=nprocs)
+    workflow.base_dir = str(work_dir)
+    try:
+        write_dataset_files(output_dir, bids_dir, citation_text(workflow))
+    except OSError as err:
+        raise AppError(f"cannot write into OUTPUT_DIR {output_dir}: {err.strerror or err}",
+                       EXIT["cannot_create"]) from None
+
+    by_node = {f"run_{run.node_name}": run.relpath for run in todo}
+    failed, finished = [], []
+
+    def progress(node, status):
+        parent = node.fullname.split(".")[-2] if "." in node.fullname else ""
+        if node.name != "denoise" or parent not in by_node:
+            return
+        if status == "end":
+            finished.append(parent)
+            note(f"[{len(finished)}/{len(todo)}] denoised {Path(by_node[parent]).name}")
+        elif status == "exception":
+            failed.append(Path(by_node[parent]).name)
+
+    plugin_args = dict(args.plugin_args)
+    if args.plugin == "MultiProc":
+        plugin_args.setdefault("n_procs", nprocs)
+        plugin_args.setdefault("raise_insufficient", False)
+    if args.plugin in ("MultiProc", "Linear"):
+        plugin_args.setdefault("status_callback", progress)
+    try:
+        workflow.run(plugin=args.plugin, plugin_args=plugin_args)
+    except RuntimeError:
+        if not failed:
+            failed.append("see the crash reports")
+    except Exception as err:  # a plugin that cannot start (e.g. no sbatch for SLURM)
+        raise AppError(f"the {args.plugin} plugin failed: {' '.join(str(err).split())[:300]}",
+                       EXIT["failure"]) from None
+    return failed
+
+
+def _print_run_warnings(todo, output_dir, quiet):
+    """The engine's warnings, recorded in each sidecar, as one line per run and warning."""
+    from ..bids import derivative_names
+
+    if quiet:
+        return
+    for run_ in todo:
+        sidecar = output_dir / derivative_names(run_.relpath)["denoised_json"]
+        try:
+            notes = json.loads(sidecar.read_text())["MPPCADenoising"]["Warnings"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for text in notes:
+            say(f"{PROG}: warning: {run_.name}: {text}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""``mppca-nipype BIDS_DIR OUTPUT_DIR participant``: derivatives, provenance, filters, reruns, exit codes."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from bids_helpers import N_BOLD, N_DWI, SHAPE, checksums, make_dataset, read_json, validator_errors
+from mppca_nipype import __version__, denoise
+from mppca_nipype.cli.bids_app import EXIT, main
+from mppca_nipype.demo import write_series
+
+FAST = ["--nprocs", "1", "--device", "cpu"]
+
+
+def run_app(capsys, *args):
+    """Run the app in this process; return (exit status, stdout, stderr)."""
+    with pytest.raises(SystemExit) as stopped:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return stopped.value.code, captured.out, captured.err
+
+
+def produced(output_dir):
+    """Derivative files, relative to OUTPUT_DIR, without the work directory."""
+    return sorted(str(p.relative_to(output_dir)) for p in Path(output_dir).rglob("*")
+                  if p.is_file() and ".mppca-work" not in p.parts)
+
+
+def run_files(stem, suffix):
+    names = [f"{stem}_desc-denoised_{suffix}.nii.gz", f"{stem}_desc-denoised_{suffix}.json",
+             f"{stem}_desc-noise_{suffix}map.nii.gz", f"{stem}_desc-noise_{suffix}map.json",
+             f"{stem}_desc-rank_{suffix}map.nii.gz", f"{stem}_desc-rank_{suffix}map.json"]
+    if suffix == "dwi":
+        names += [f"{stem}_dwi.bval", f"{stem}_dwi.bvec"]
+    return names
+
+
+def expected_outputs(subjects=("01", "02"), datatypes=("dwi", "func"), runs=(1, 2)):
+    files = []
+    for subject in subjects:
+        folder = f"sub-{subject}/ses-1"
+        stem = f"sub-{subject}_ses-1"
+        if "dwi" in datatypes:
+            files += [f"{folder}/dwi/{name}" for name in run_files(stem, "dwi")]
+        if "func" in datatypes:
+            for run in runs:
+                files += [f"{folder}/func/{name}" for name in run_files(f"{stem}_task-rest_run-{run}", "bold")]
+    return sorted(files + [".bidsignore", "README.md", "dataset_description.json", "logs/CITATION.md"])
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = make_dataset(tmp_path_factory.mktemp("raw") / "bids")
+    return root, checksums(root)
+
+
+@pytest.fixture(scope="module")
+def full_run(dataset, tmp_path_factory):
+    """The app on the whole dataset (validation of the input included), run once for several tests."""
+    bids_dir, _ = dataset
+    output_dir = tmp_path_factory.mktemp("out") / "derivatives"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stopped:
+        main([str(bids_dir), str(output_dir), "participant", *FAST])
+    return output_dir, stopped.value.code, err.getvalue()
+
+
+# ------------------------------------------------------------------------------------------ derivatives
+
+def test_every_run_is_denoised_into_the_derivative_dataset(full_run):
+    output_dir, status, err = full_run
+    assert status == EXIT["ok"], err
+    assert produced(output_dir) == expected_outputs()
+    assert "[6/6] denoised" in err
+
+
+def test_the_outputs_pass_the_bids_validator(full_run):
+    output_dir, status, _ = full_run
+    assert status == 0
+    assert validator_errors(output_dir) == []
+
+
+def test_the_input_dataset_is_unchanged(dataset, full_run):
+    bids_dir, before = dataset
+    assert full_run[1] == 0
+    assert checksums(bids_dir) == before
+
+
+def test_dataset_description_names_the_pipeline_and_the_raw_dataset(dataset, full_run):
+    description = read_json(full_run[0] / "dataset_description.json")
+    assert description["DatasetType"] == "derivative"
+    assert description["GeneratedBy"][0] == {"Name": "mppca-nipype", "Version": __version__,
+                                             "CodeURL": "https://github.com/mppca-nipype/mppca-nipype"}
+    assert description["DatasetLinks"]["raw"] == dataset[0].resolve().as_uri()
+    assert description["SourceDatasets"] == [{"URL": dataset[0].resolve().as_uri()}]
+
+
+def test_bold_sidecar_carries_inherited_metadata_sources_and_provenance(dataset, full_run):
+    bids_dir, _ = dataset
+    source = "sub-02/ses-1/func/sub-02_ses-1_task-rest_run-2_bold.nii.gz"
+    sidecar = read_json(full_run[0] / "sub-02/ses-1/func/sub-02_ses-1_task-rest_run-2_desc-denoised_bold.json")
+    assert sidecar["TaskName"] == "rest" and sidecar["RepetitionTime"] == 2.0  # from the top-level sidecar
+    assert sidecar["Sources"] == [f"bids:raw:{source}"]
+    assert sidecar["SkullStripped"] is False and "MP-PCA" in sidecar["Description"]
+    provenance = sidecar["MPPCADenoising"]
+    assert provenance["InputSHA256"] == hashlib.sha256((bids_dir / source).read_bytes()).hexdigest()
+    assert provenance["Parameters"]["stride"] == 2 and provenance["Parameters"]["use_gpu"] is False
+    assert provenance["Backend"] == "cpu" and provenance["Device"] == "cpu"
+    assert provenance["SoftwareVersions"]["mppca-nipype"] == __version__
+    assert provenance["NoiseMedian"] > 0 and provenance["RankMedian"] > 0
+
+
+def test_dwi_gradients_found_through_inheritance_are_copied(dataset, full_run):
+    bids_dir, _ = dataset
+    folder = full_run[0] / "sub-01/ses-1/dwi"
+    assert (folder / "sub-01_ses-1_dwi.bval").read_bytes() == (bids_dir / "dwi.bval").read_bytes()
+    assert (folder / "sub-01_ses-1_dwi.bvec").read_bytes() == (bids_dir / "dwi.bvec").read_bytes()
+
+
+def test_the_derivative_is_what_the_engine_computes(dataset, full_run):
+    bids_dir, _ = dataset
+    raw = nib.load(bids_dir / "sub-01/ses-1/dwi/sub-01_ses-1_dwi.nii.gz")
+    expected = denoise(raw.get_fdata(dtype=np.float32), device="cpu", nprocs=1)
+    folder = full_run[0] / "sub-01/ses-1/dwi"
+    denoised = nib.load(folder / "sub-01_ses-1_desc-denoised_dwi.nii.gz")
+    assert denoised.shape == (*SHAPE, N_DWI)
+    np.testing.assert_allclose(denoised.get_fdata(), expected.denoised, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(nib.load(folder / "sub-01_ses-1_desc-noise_dwimap.nii.gz").get_fdata(),
+                               expected.sigma, rtol=0, atol=1e-4)
+    assert nib.load(full_run[0] / "sub-01/ses-1/func/sub-01_ses-1_task-rest_run-1_desc-denoised_bold.nii.gz"
+                    ).header.get_zooms()[3] == 2.0
+
+
+def test_citation_has_the_methods_and_both_references(full_run):
+    text = (full_run[0] / "logs" / "CITATION.md").read_text()
+    assert "Marchenko-Pastur" in text and "Veraart" in text and "Cordero-Grande" in text
+
+
+# ------------------------------------------------------------------------------------------------ reruns
+
+def test_a_rerun_reuses_the_cache_and_restores_deleted_outputs(dataset, tmp_path, capsys):
+    bids_dir, before = dataset
+    args = [bids_dir, tmp_path / "out", "participant", "--participant-label", "01", "--datatype", "dwi",
+            "--skip-bids-validation", *FAST]
+    assert run_app(capsys, *args)[0] == 0
+    node_file = next((tmp_path / "out" / ".mppca-work").rglob("sub-01_ses-1_dwi_denoised.nii.gz"))
+    cached = node_file.stat().st_mtime_ns
+    derivative = tmp_path / "out/sub-01/ses-1/dwi/sub-01_ses-1_desc-denoised_dwi.nii.gz"
+    derivative.unlink()
+    status, _, err = run_app(capsys, *args)
+    assert status == 0, err
+    assert derivative.exists(), "the sink always runs: a deleted derivative comes back"
+    assert node_file.stat().st_mtime_ns == cached, "the denoising itself is served from the cache"
+    assert produced(tmp_path / "out") == expected_outputs(subjects=("01",), datatypes=("dwi",))
+    assert checksums(bids_dir) == before
+
+
+# ------------------------------------------------------------------------------------------------ filters
+
+@pytest.mark.parametrize("label", ["02", "sub-02"])
+def test_participant_label_with_or_without_prefix(dataset, tmp_path, capsys, label):
+    status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--participant-label", label,
+                             "--datatype", "dwi", "--skip-bids-validation", *FAST)
+    assert status == 0, err
+    assert produced(tmp_path / "out") == expected_outputs(subjects=("02",), datatypes=("dwi",))
+
+
+@pytest.mark.parametrize("label", ["1", "ses-1"])
+def test_session_label_with_or_without_prefix(dataset, tmp_path, capsys, label):
+    status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--session-label", label,
+                             "--participant-label", "sub-01", "--datatype", "dwi", "--skip-bids-validation",
+                             *FAST)
+    assert status == 0, err
+    assert produced(tmp_path / "out") == expected_outputs(subjects=("01",), datatypes=("dwi",))
+
+
+def test_bids_filter_file_selects_runs(dataset, tmp_path, capsys):
+    filters = tmp_path / "filters.json"
+    filters.write_text(json.dumps({"bold": {"run": 2}}))
+    status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--datatype", "func",
+                             "--participant-label", "01", "--bids-filter-file", filters,
+                             "--skip-bids-validation", *FAST)
+    assert status == 0, err
+    assert produced(tmp_path / "out") == expected_outputs(subjects=("01",), datatypes=("func",), runs=(2,))
+
+
+def test_multi_echo_and_part_runs_are_listed_and_skipped(tmp_path, capsys):
+    root = make_dataset(tmp_path / "bids", subjects=("01",))
+    func = root / "sub-01/ses-1/func"
+    data = nib.load(func / "sub-01_ses-1_task-rest_run-1_bold.nii.gz").get_fdata(dtype=np.float32)
+    for name in ("task-me_echo-1", "task-me_echo-2", "task-cx_part-mag"):
+        write_series(func / f"sub-01_ses-1_{name}_bold.nii.gz", data, repetition_time=2.0)
+    status, _, err = run_app(capsys, root, tmp_path / "out", "participant", "--datatype", "func",
+                             "--skip-bids-validation", *FAST)
+    assert status == 0, err
+    assert "skipping sub-01/ses-1/func/sub-01_ses-1_task-me_echo-1_bold.nii.gz: multi-echo" in err
+    assert "skipping sub-01/ses-1/func/sub-01_ses-1_task-cx_part-mag_bold.nii.gz: magnitude/phase" in err
+    assert produced(tmp_path / "out") == expected_outputs(subjects=("01",), datatypes=("func",))
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+def assert_clean_failure(err, status, expected):
+    assert status == expected, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mppca-nipype: error: "), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["{bids}"],
+    ["{bids}", "{out}", "group"],
+    ["{bids}", "{out}", "participant", "--no-such-option"],
+    ["{bids}", "{out}", "participant", "--stride", "0"],
+    ["{bids}", "{out}", "participant", "--extent", "4"],
+    ["{bids}", "{out}", "participant", "--aggregation", "center"],
+    ["{bids}", "{out}", "participant", "--datatype", "anat"],
+    ["{bids}", "{out}", "participant", "--device", "tpu"],
+    ["{bids}", "{out}", "participant", "--plugin", "NoSuchPlugin"],
+    ["{bids}", "{out}", "participant", "--plugin-args", "{{not json"],
+    ["{bids}", "{out}", "participant", "--bids-filter-file", "{bad_filter}"],
+    ["{bids}", "{out}", "participant", "--bids-filter-file", "{unknown_key_filter}"],
+    ["--demo", "{out}", "{bids}"],
+], ids=["nothing", "no-output", "group-level", "unknown-option", "stride-0", "even-extent", "center-stride-2",
+        "anat", "tpu", "plugin", "plugin-args", "filter-not-json", "filter-unknown-key", "demo-and-bids"])
+def test_usage_errors_exit_64(dataset, tmp_path, capsys, args):
+    bids_dir, before = dataset
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "unknown.json").write_text(json.dumps({"t1w": {"run": 1}}))
+    filled = [a.format(bids=bids_dir, out=tmp_path / "out", bad_filter=tmp_path / "bad.json",
+                       unknown_key_filter=tmp_path / "unknown.json") for a in args]
+    status, _, err = run_app(capsys, *filled, "--skip-bids-validation")
+    assert_clean_failure(err, status, EXIT["usage"])
+    assert checksums(bids_dir) == before
+
+
+def test_missing_inputs_exit_66(dataset, tmp_path, capsys):
+    status, _, err = run_app(capsys, tmp_path / "nowhere", tmp_path / "out", "participant")
+    assert_clean_failure(err, status, EXIT["input_missing"])
+    status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--bids-filter-file",
+                             tmp_path / "missing.json", "--skip-bids-validation")
+    assert_clean_failure(err, status, EXIT["input_missing"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_without_dataset_description_exits_16(tmp_path, capsys):
+    (tmp_path / "notbids" / "sub-01").mkdir(parents=True)
+    status, _, err = run_app(capsys, tmp_path / "notbids", tmp_path / "out", "participant")
+    assert_clean_failure(err, status, EXIT["invalid_bids"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_validator_errors_exit_16_unless_skipped(tmp_path, capsys):
+    root = make_dataset(tmp_path / "bids", subjects=("01",))
+    (root / "sub-01" / "ses-1" / "func" / "not_a_bids_name.nii.gz").write_bytes(
+        (root / "sub-01/ses-1/func/sub-01_ses-1_task-rest_run-1_bold.nii.gz").read_bytes())
+    assert validator_errors(root), "the stray file must be a validator error"
+    before = checksums(root)
+    status, _, err = run_app(capsys, root, tmp_path / "out", "participant", *FAST)
+    assert_clean_failure(err, status, EXIT["invalid_bids"])
+    assert "--skip-bids-validation" in err and not (tmp_path / "out").exists()
+    status, _, err = run_app(capsys, root, tmp_path / "out", "participant", "--datatype", "dwi",
+                             "--skip-bids-validation", *FAST)
+    assert status == 0, err
+    assert checksums(root) == before
+
+
+@pytest.mark.parametrize("args", [["--participant-label", "sub-03"], ["--session-label", "2"],
+                                  ["--bids-filter-file", "{filters}"]],
+                         ids=["participant", "session", "filter"])
+def test_filters_that_select_nothing_exit_18(dataset, tmp_path, capsys, args):
+    (tmp_path / "filters.json").write_text(json.dumps({"bold": {"task": "nback"}, "dwi": {"acquisition": "x"}}))
+    filled = [a.format(filters=tmp_path / "filters.json") for a in args]
+    status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", *filled,
+                             "--skip-bids-validation", *FAST)
+    assert_clean_failure(err, status, EXIT["nothing_selected"])
+    assert checksums(dataset[0]) == dataset[1]
+
+
+def test_outputs_that_cannot_be_created_exit_73(dataset, tmp_path, capsys):
+    bids_dir, before = dataset
+    status, _, err = run_app(capsys, bids_dir, bids_dir / "derivatives" / "mppca", "participant",
+                             "--skip-bids-validation")
+    assert_clean_failure(err, status, EXIT["cannot_create"])
+    status, _, err = run_app(capsys, bids_dir, tmp_path / "out", "participant", "-w", bids_dir / "work",
+                             "--skip-bids-validation")
+    assert_clean_failure(err, status, EXIT["cannot_create"])
+    (tmp_path / "a_file").write_text("")
+    status, _, err = run_app(capsys, bids_dir, tmp_path / "a_file" / "out", "participant",
+                             "--skip-bids-validation")
+    assert_clean_failure(err, status, EXIT["cannot_create"])
+    other = tmp_path / "fmriprep"
+    other.mkdir()
+    (other / "dataset_description.json").write_text(json.dumps({"GeneratedBy": [{"Name": "fMRIPrep"}]}))
+    status, _, err = run_app(capsys, bids_dir, other, "participant", "--skip-bids-validation")
+    assert_clean_failure(err, status, EXIT["cannot_create"])
+    assert "fMRIPrep" in err
+    assert checksums(bids_dir) == before
+
+
+def test_device_cuda_without_a_usable_gpu_exits_1_before_writing(dataset, tmp_path, capsys):
+    from mppca_nipype.engine import MPPCAInputError, _pick_backend
+
+    try:
+        _pick_backend("cuda")
+        pytest.skip("a GPU is usable here")
+    except MPPCAInputError:
+        pass
+    status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--device", "cuda",
+                             "--skip-bids-validation")
+    assert_clean_failure(err, status, EXIT["failure"])
+    assert "cuda" in err and not (tmp_path / "out").exists()
+
+
+def test_a_run_that_fails_exits_1_and_leaves_no_half_written_derivative(tmp_path, capsys):
+    root = make_dataset(tmp_path / "bids", subjects=("01",))
+    broken = root / "sub-01/ses-1/func/sub-01_ses-1_task-rest_run-2_bold.nii.gz"
+    broken.write_bytes(broken.read_bytes()[:200])  # truncated
+    before = checksums(root)
+    status, _, err = run_app(capsys, root, tmp_path / "out", "participant", "--datatype", "func",
+                             "--skip-bids-validation", *FAST)
+    assert status == EXIT["failure"], err
+    assert "Traceback" not in err
+    assert "1 of 2 runs failed (sub-01_ses-1_task-rest_run-2_bold.nii.gz)" in err
+    files = produced(tmp_path / "out")
+    assert not any("run-2" in f and not f.startswith("logs/") for f in files)
+    assert "sub-01/ses-1/func/sub-01_ses-1_task-rest_run-1_desc-denoised_bold.nii.gz" in files
+    assert not any(Path(f).name.startswith(".") and f != ".bidsignore" for f in files), "no temporary files"
+    assert any(f.startswith("logs/crash") for f in files)
+    assert checksums(root) == before
+
+
+# ---------------------------------------------------------------------------------------- demo, version
+
+def test_demo_writes_a_dataset_and_valid_derivatives(tmp_path, capsys):
+    status, out, err = run_app(capsys, "--demo", tmp_path / "demo", *FAST)
+    assert status == 0, err
+    derivatives = tmp_path / "demo" / "derivatives" / "mppca-nipype"
+    assert "sub-01/dwi/sub-01_desc-denoised_dwi.nii.gz" in produced(derivatives)
+    assert "sub-01/func/sub-01_task-rest_desc-denoised_bold.nii.gz" in produced(derivatives)
+    assert "done in" in err and str(derivatives) in err
+    raw_size = sum(p.stat().st_size for p in (tmp_path / "demo" / "bids").rglob("*") if p.is_file())
+    assert raw_size < 5 * 2**20
+    assert validator_errors(tmp_path / "demo" / "bids") == []
+    assert validator_errors(derivatives) == []
+
+
+def test_version(capsys):
+    status, out, _ = run_app(capsys, "--version")
+    assert status == 0 and out.strip() == f"mppca-nipype {__version__}"
