@@ -12,7 +12,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from bids_helpers import N_BOLD, N_DWI, SHAPE, checksums, make_dataset, read_json, validator_errors
+from bids_helpers import N_DWI, SHAPE, checksums, make_dataset, read_json, validator_errors
 from mppca_nipype import __version__, denoise
 from mppca_nipype.cli.bids_app import EXIT, main
 from mppca_nipype.demo import write_series

@@ -315,12 +315,17 @@ def run(args) -> int:
          f"({', '.join(sorted({r.suffix for r in todo}))}) into {output_dir}")
 
     failed = execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note)
-    _print_run_warnings(todo, output_dir, quiet)
+    _report_runs(todo, output_dir, note)
     if failed:
         raise AppError(f"{len(failed)} of {len(todo)} runs failed ({', '.join(failed)}); crash reports are "
                        f"in {output_dir / 'logs'}", EXIT["failure"])
     note(f"done in {time.monotonic() - started:.1f} s: {len(todo)} denoised run"
          f"{'s' if len(todo) > 1 else ''} in {output_dir}; methods text in {output_dir / 'logs' / 'CITATION.md'}")
+    if args.demo:
+        from ..demo import BOLD_SIGMA, DWI_SIGMA
+
+        note(f"the demo's true noise levels: {DWI_SIGMA:g} (DWI) and {BOLD_SIGMA:g} (BOLD); compare the "
+             f"medians above, and view the *_desc-denoised_* images beside the inputs in {args.bids_dir}")
     return EXIT["ok"]
 
 
@@ -382,20 +387,23 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
     return failed
 
 
-def _print_run_warnings(todo, output_dir, quiet):
-    """The engine's warnings, recorded in each sidecar, as one line per run and warning."""
+def _report_runs(todo, output_dir, note):
+    """Per run, from its sidecar: the engine's warnings (always) and one summary line (unless quiet)."""
     from ..bids import derivative_names
 
-    if quiet:
-        return
     for run_ in todo:
         sidecar = output_dir / derivative_names(run_.relpath)["denoised_json"]
         try:
-            notes = json.loads(sidecar.read_text())["MPPCADenoising"]["Warnings"]
+            provenance = json.loads(sidecar.read_text())["MPPCADenoising"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        for text in notes:
+        for text in provenance.get("Warnings", []):
             say(f"{PROG}: warning: {run_.name}: {text}")
+        where = provenance["Backend"]
+        if provenance["Device"] != where:
+            where += f" on {provenance['Device']}"
+        note(f"{run_.name}: median noise {provenance['NoiseMedian']:.4g}, median rank "
+             f"{provenance['RankMedian']:.3g} ({where}, {provenance['WallTimeSeconds']:.1f} s)")
 
 
 if __name__ == "__main__":
