@@ -58,6 +58,7 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
     mask = File(exists=True, desc="voxels to denoise (non-zero); outputs are 0 outside it")
     extent = traits.Either(
         traits.Enum("auto"), traits.Int, traits.List(traits.Int, minlen=3, maxlen=3),
+        traits.Tuple(traits.Int, traits.Int, traits.Int),
         default=DEFAULTS["extent"], usedefault=True,
         desc="patch size in voxels, odd: 'auto' (smallest odd e with e^3 >= volumes), one int or three")
     stride = traits.Int(DEFAULTS["stride"], usedefault=True,

@@ -173,6 +173,19 @@ def test_participant_label_with_or_without_prefix(dataset, tmp_path, capsys, lab
     assert produced(tmp_path / "out") == expected_outputs(subjects=("02",), datatypes=("dwi",))
 
 
+def test_denoising_options_reach_every_run(dataset, tmp_path, capsys):
+    status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--participant-label", "01",
+                             "--datatype", "dwi", "--extent", "3,3,5", "--stride", "1", "--aggregation",
+                             "center", "--demean", "none", "--estimator", "exp1", "--skip-bids-validation",
+                             *FAST)
+    assert status == 0, err
+    provenance = read_json(tmp_path / "out/sub-01/ses-1/dwi/sub-01_ses-1_desc-denoised_dwi.json")["MPPCADenoising"]
+    assert provenance["EngineInfo"]["extent"] == [3, 3, 5]
+    assert {k: provenance["EngineInfo"][k] for k in ("stride", "aggregation", "demean", "estimator")} == dict(
+        stride=1, aggregation="center", demean="none", estimator="exp1")
+    assert "centred on every voxel" in (tmp_path / "out/logs/CITATION.md").read_text()
+
+
 @pytest.mark.parametrize("label", ["1", "ses-1"])
 def test_session_label_with_or_without_prefix(dataset, tmp_path, capsys, label):
     status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--session-label", label,

@@ -69,6 +69,13 @@ def test_provenance_records_parameters_backend_versions_and_checksum(series, tmp
     assert 0 <= provenance["RankMedian"] <= N_DWI
 
 
+@pytest.mark.parametrize("extent", [3, [3, 3, 5], (5, 3, 3)])
+def test_extent_as_one_or_three_numbers_reaches_the_engine(series, tmp_path, extent):
+    result = run_in(tmp_path / "node", MPPCADenoise(in_file=str(series), use_gpu=False, extent=extent))
+    resolved = read_json(result.outputs.provenance_file)["EngineInfo"]["extent"]
+    assert resolved == ([extent] * 3 if isinstance(extent, int) else list(extent))
+
+
 def test_mask_zeroes_outside_and_summaries_use_it(series, tmp_path):
     mask = np.zeros(SHAPE, np.uint8)
     mask[2:8, 2:8, 2:6] = 1
