@@ -1,0 +1,193 @@
+"""A slow, obviously-correct float64 reference for MP-PCA denoising, written from DESIGN.md ("The method,
+exactly") and sharing no code with ``mppca_nipype.engine``.
+
+Everything is a plain Python loop: over the patches of the layout, over the voxels of a patch, over the
+candidate signal ranks P of a spectrum. One patch at a time: gather its finite voxels' time courses (n_eff x
+T), remove each voxel's mean if asked (then T - 1 degrees of freedom along time), eigen-decompose the smaller
+Gram matrix with ``np.linalg.eigh``, choose P by the Marchenko-Pastur rule, project onto the top P
+components, and add the result to the voxels the aggregation says.
+
+Conventions the engine shares (DenoiseResult): outside the mask every output is 0; a voxel in the mask whose
+time course holds NaN/Inf takes part in no patch, keeps its input values, and has noise and rank 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+
+def reference_extent(extent, spatial_shape, n_volumes):
+    """Three odd window sizes: "auto" is the smallest odd e with e**3 >= T; every axis is capped at the
+    largest odd number not above the image size."""
+    if isinstance(extent, str):
+        assert extent == "auto"
+        e = 1
+        while e**3 < n_volumes:
+            e += 2
+        wanted = (e, e, e)
+    else:
+        wanted = (extent,) * 3 if np.ndim(extent) == 0 else tuple(extent)
+    return tuple(min(int(e), size if size % 2 == 1 else size - 1) for e, size in zip(wanted, spatial_shape))
+
+
+def grid_corners(size, extent, stride):
+    """Window starts along one axis for stride > 1: 0, s, 2s, ... and one flush against the far edge."""
+    last = size - extent
+    corners = list(range(0, last + 1, stride))
+    if corners[-1] != last:
+        corners.append(last)
+    return corners
+
+
+def centred_corner(voxel, size, extent):
+    """Stride 1: the start of the window centred on ``voxel``, shifted to lie inside the image."""
+    return min(max(voxel - extent // 2, 0), size - extent)
+
+
+def window_voxels(corner, extent):
+    """The (x, y, z) indices of a window's voxels."""
+    return list(itertools.product(*(range(c, c + e) for c, e in zip(corner, extent))))
+
+
+def reference_patches(spatial_shape, extent, stride, mask, finite):
+    """The patches that run, as (corner, centre) pairs; centre is None for stride > 1.
+
+    Stride 1: one patch per finite mask voxel, centred on it. Stride > 1: every window of the grid that
+    holds at least one finite mask voxel.
+    """
+    wanted = mask & finite
+    if stride == 1:
+        return [(tuple(centred_corner(v, s, e) for v, s, e in zip(centre, spatial_shape, extent)), centre)
+                for centre in itertools.product(*(range(s) for s in spatial_shape)) if wanted[centre]]
+    patches = []
+    for corner in itertools.product(*(grid_corners(s, e, stride) for s, e in zip(spatial_shape, extent))):
+        if any(wanted[v] for v in window_voxels(corner, extent)):
+            patches.append((corner, None))
+    return patches
+
+
+def noise_variance_curve(lam, r):
+    """sigma^2(P) = (1 / (r - P)) * sum_{i=P+1..r} lambda_i for P = 0 .. r-1 (lam sorted descending)."""
+    return [math.fsum(lam[P:r]) / (r - P) for P in range(r)]
+
+
+def mp_threshold(eigenvalues, n_voxels, n_volumes, estimator):
+    """P_hat and sigma^2(P_hat) of one patch, exactly as DESIGN.md states the rule.
+
+    ``eigenvalues``: the Gram matrix's eigenvalues in any order; only the r = min(n, T) largest are used.
+    Returns (r, 0.0) when no P in 0 .. r-1 is noise-compatible.
+    """
+    r, q = min(n_voxels, n_volumes), max(n_voxels, n_volumes)
+    s = sorted((float(v) for v in eigenvalues), reverse=True)[:r]
+    lam = [max(v, 0.0) / q for v in s]  # lambda_1 >= ... >= lambda_r
+    sigma2 = noise_variance_curve(lam, r)
+    for P in range(r):
+        gamma = (r - P) / q if estimator == "exp1" else (r - P) / (q - P)
+        if lam[P] - lam[r - 1] < 4.0 * math.sqrt(gamma) * sigma2[P]:
+            return P, sigma2[P]
+    return r, 0.0
+
+
+def patch_matrix(data, voxels, finite):
+    """The n_eff x T matrix of the patch's finite voxels (one row per voxel), and those voxels."""
+    kept = [v for v in voxels if finite[v]]
+    x, y, z = np.array(kept).reshape(len(kept), 3).T
+    return data[x, y, z].astype(np.float64), kept
+
+
+def patch_spectrum(X, demeaned):
+    """Eigen-decomposition of the smaller Gram matrix of X (n x T), and the degrees of freedom along time.
+
+    Returns (eigenvalues, eigenvectors, time_side, n_volumes_eff): ascending eigenvalues, eigenvectors as
+    columns; ``time_side`` when the Gram is T x T (n >= T).
+    """
+    n, T = X.shape
+    time_side = n >= T
+    gram = X.T @ X if time_side else X @ X.T
+    eigenvalues, eigenvectors = np.linalg.eigh(gram)
+    return eigenvalues, eigenvectors, time_side, T - (1 if demeaned else 0)
+
+
+def denoise_patch(X, demeaned, estimator):
+    """MP-PCA of one patch: (X_hat, P, sigma^2)."""
+    means = X.mean(axis=1, keepdims=True) if demeaned else np.zeros((X.shape[0], 1))
+    centred = X - means
+    eigenvalues, eigenvectors, time_side, t_eff = patch_spectrum(centred, demeaned)
+    P, sigma2 = mp_threshold(eigenvalues, X.shape[0], t_eff, estimator)
+    top = eigenvectors[:, ::-1][:, :P]  # the P leading eigenvectors
+    if time_side:
+        restored = centred @ top @ top.T  # X V_P V_P^T
+    else:
+        restored = top @ top.T @ centred  # U_P U_P^T X
+    return restored + means, P, sigma2
+
+
+@threadpool_limits.wrap(limits=1)  # tiny matrices: BLAS threads would only fight over the cores
+def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, estimator):
+    """Denoise ``data`` (X, Y, Z, T) one patch at a time; return (denoised, sigma, rank), float64."""
+    data = np.asarray(data)
+    shape3, T = data.shape[:3], data.shape[3]
+    mask = np.ones(shape3, dtype=bool) if mask is None else np.asarray(mask) != 0
+    finite = np.isfinite(data).all(axis=3)
+    extent = reference_extent(extent, shape3, T)
+    demeaned = demean == "voxel"
+    assert aggregation != "center" or stride == 1
+
+    image = np.zeros(data.shape)
+    weight = np.zeros(shape3)
+    sigma_sum = np.zeros(shape3)
+    rank_sum = np.zeros(shape3)
+    for corner, centre in reference_patches(shape3, extent, stride, mask, finite):
+        X, kept = patch_matrix(data, window_voxels(corner, extent), finite)
+        restored, P, sigma2 = denoise_patch(X, demeaned, estimator)
+        if aggregation == "center":
+            row = kept.index(centre)
+            image[centre] = restored[row]
+            weight[centre] = 1.0
+            sigma_sum[centre] = math.sqrt(sigma2)
+            rank_sum[centre] = P
+            continue
+        w = 1.0 / (1 + P + (1 if demeaned else 0)) if aggregation == "weighted" else 1.0
+        for row, voxel in enumerate(kept):
+            image[voxel] += w * restored[row]
+            weight[voxel] += w
+            sigma_sum[voxel] += w * math.sqrt(sigma2)
+            rank_sum[voxel] += w * P
+
+    denoised = np.zeros(data.shape)
+    sigma = np.zeros(shape3)
+    rank = np.zeros(shape3)
+    for voxel in itertools.product(*(range(s) for s in shape3)):
+        if not mask[voxel]:
+            continue
+        if not finite[voxel]:
+            denoised[voxel] = data[voxel]
+            continue
+        assert weight[voxel] > 0, f"voxel {voxel} in the mask is covered by no patch"
+        denoised[voxel] = image[voxel] / weight[voxel]
+        sigma[voxel] = sigma_sum[voxel] / weight[voxel]
+        rank[voxel] = rank_sum[voxel] / weight[voxel]
+    return denoised, sigma, rank
+
+
+@threadpool_limits.wrap(limits=1)
+def centred_patch_spectra(data, extent):
+    """For dwidenoise's layout (stride 1, no mask, no demeaning): each voxel's patch eigenvalues.
+
+    Returns a dict voxel -> (eigenvalues ascending, n_voxels, n_volumes).
+    """
+    data = np.asarray(data)
+    shape3, T = data.shape[:3], data.shape[3]
+    extent = reference_extent(extent, shape3, T)
+    finite = np.isfinite(data).all(axis=3)
+    spectra = {}
+    for corner, centre in reference_patches(shape3, extent, 1, np.ones(shape3, bool), finite):
+        X, _ = patch_matrix(data, window_voxels(corner, extent), finite)
+        n, T = X.shape
+        eigenvalues = np.linalg.eigvalsh(X.T @ X if n >= T else X @ X.T)
+        spectra[centre] = (eigenvalues, n, T)
+    return spectra

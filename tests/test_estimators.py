@@ -1,0 +1,202 @@
+"""The MP estimators, weights and projector (engine/estimators.py) against reference.mp_threshold, a plain
+float64 loop over P written from DESIGN.md's formulas, and on NumPy and torch arrays alike."""
+
+import numpy as np
+import pytest
+
+from mppca_nipype.engine.estimators import (
+    aggregation_weights, marchenko_pastur_threshold, signal_projector)
+from reference import mp_threshold
+
+torch = pytest.importorskip("torch")
+
+ESTIMATORS = ["exp1", "exp2"]
+
+
+def reference_thresholds(eigenvalues, n_voxels, n_volumes, estimator):
+    n_volumes = np.broadcast_to(n_volumes, len(eigenvalues))
+    found = [mp_threshold(e, int(n), int(t), estimator) for e, n, t in zip(eigenvalues, n_voxels, n_volumes)]
+    return np.array([p for p, _ in found]), np.array([s for _, s in found])
+
+
+def noisy_spectra(rng, n_patches, n_voxels, n_volumes, planted_rank=0, sigma=1.0, strength=30.0):
+    """Ascending Gram eigenvalues of n x T matrices: a rank-``planted_rank`` signal plus N(0, sigma^2)."""
+    spectra = []
+    for _ in range(n_patches):
+        X = sigma * rng.standard_normal((n_voxels, n_volumes))
+        if planted_rank:
+            u = np.linalg.qr(rng.standard_normal((n_voxels, planted_rank)))[0]
+            v = np.linalg.qr(rng.standard_normal((n_volumes, planted_rank)))[0]
+            singular = strength * sigma * np.sqrt(max(n_voxels, n_volumes)) * np.linspace(2, 1, planted_rank)
+            X += (u * singular) @ v.T
+        gram = X.T @ X if n_voxels >= n_volumes else X @ X.T
+        spectra.append(np.linalg.eigvalsh(gram))
+    return np.array(spectra)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_random_spectra_match_the_formula_loop(estimator):
+    rng = np.random.default_rng(1)
+    eigenvalues = np.sort(rng.gamma(1.5, size=(400, 24)) ** 2, axis=1)
+    n_voxels = np.full(400, 60)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, n_voxels, 24, estimator)
+    want_rank, want_sigma2 = reference_thresholds(eigenvalues, n_voxels, 24, estimator)
+    assert np.array_equal(rank, want_rank)
+    np.testing.assert_allclose(sigma2, want_sigma2, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("n_voxels, n_volumes", [(125, 40), (27, 60), (48, 48)])
+def test_planted_rank_is_recovered(estimator, n_voxels, n_volumes):
+    rng = np.random.default_rng(2)
+    eigenvalues = noisy_spectra(rng, 30, n_voxels, n_volumes, planted_rank=4)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, np.full(30, n_voxels), n_volumes, estimator)
+    want_rank, want_sigma2 = reference_thresholds(eigenvalues, np.full(30, n_voxels), n_volumes, estimator)
+    assert np.array_equal(rank, want_rank)
+    np.testing.assert_allclose(sigma2, want_sigma2, rtol=1e-12, atol=0)
+    # the signal stands far above the noise edge: no planted component is lost (MP-PCA may keep one or two
+    # noise components more, as it is known to, which lowers sigma), and sigma is near the truth, 1
+    assert np.all(rank >= 4)
+    assert np.median(rank) == 4
+    assert np.all(np.abs(np.sqrt(sigma2[rank == 4]) - 1) < 0.15)
+    assert abs(np.median(np.sqrt(sigma2)) - 1) < 0.1
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_pure_noise_keeps_almost_nothing(estimator):
+    rng = np.random.default_rng(3)
+    eigenvalues = noisy_spectra(rng, 40, 125, 30)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, np.full(40, 125), 30, estimator)
+    assert np.mean(rank) <= 1.0
+    assert np.all(np.abs(np.sqrt(sigma2) - 1) < 0.15)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_zero_spectrum_keeps_everything_with_sigma_zero(estimator):
+    # all lambda = 0: (lambda_{P+1} - lambda_r) = 0 is never < 0 = 4 sqrt(gamma) sigma^2(P)
+    rank, sigma2 = marchenko_pastur_threshold(np.zeros((2, 10)), np.array([30, 7]), 10, estimator)
+    assert rank.tolist() == [10, 7]
+    assert sigma2.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_flat_spectrum_is_all_noise(estimator):
+    rank, sigma2 = marchenko_pastur_threshold(np.full((1, 10), 3.0), np.array([30]), 10, estimator)
+    assert rank.tolist() == [0]
+    assert sigma2[0] == pytest.approx(3.0 / 30, rel=1e-15)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_ties_and_negative_roundoff_match_the_formula_loop(estimator):
+    rng = np.random.default_rng(4)
+    base = np.sort(rng.uniform(0.5, 1.5, size=(50, 16)), axis=1)
+    base[:, :3] = np.array([-1e-9, 0.0, 0.0])  # eigensolver round-off below 0, exact zeros
+    base[:, -3:] = 50.0  # three tied signal eigenvalues
+    base[::5, 5:9] = base[::5, 5:6]  # ties inside the bulk
+    eigenvalues = np.sort(base, axis=1)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, np.full(50, 40), 16, estimator)
+    want_rank, want_sigma2 = reference_thresholds(eigenvalues, np.full(50, 40), 16, estimator)
+    assert np.array_equal(rank, want_rank)
+    np.testing.assert_allclose(sigma2, want_sigma2, rtol=1e-12, atol=0)
+    assert np.all(rank >= 3)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_per_patch_voxel_counts_use_only_the_top_r_eigenvalues(estimator):
+    # T = 20 volumes; patches of 1..60 voxels (NaN voxels left out). For n < T the matrix is n x n padded
+    # to 20 with null directions below the usable eigenvalues; they must not change the answer.
+    rng = np.random.default_rng(5)
+    n_volumes, m = 20, 20
+    n_voxels = rng.integers(1, 61, size=120)
+    eigenvalues = np.sort(rng.gamma(2.0, size=(120, m)), axis=1)
+    eigenvalues[:, -2:] += 40.0
+    for b, n in enumerate(n_voxels):
+        if n < m:
+            eigenvalues[b, : m - n] = rng.uniform(-1e-9, 1e-9, size=m - n)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator)
+    want_rank, want_sigma2 = reference_thresholds(eigenvalues, n_voxels, n_volumes, estimator)
+    assert np.array_equal(rank, want_rank)
+    np.testing.assert_allclose(sigma2, want_sigma2, rtol=1e-12, atol=0)
+
+    nulled = eigenvalues.copy()
+    for b, n in enumerate(n_voxels):
+        if n < m:
+            nulled[b, : m - n] = 0.0
+    again = marchenko_pastur_threshold(nulled, n_voxels, n_volumes, estimator)
+    assert np.array_equal(again[0], rank)
+    np.testing.assert_allclose(again[1], sigma2, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_per_patch_degrees_of_freedom_along_time(estimator):
+    # demeaning leaves T - 1 usable directions; n_volumes may be an array
+    rng = np.random.default_rng(6)
+    eigenvalues = noisy_spectra(rng, 20, 40, 25, planted_rank=2)
+    n_volumes = np.where(np.arange(20) % 2 == 0, 25, 24)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, np.full(20, 40), n_volumes, estimator)
+    want_rank, want_sigma2 = reference_thresholds(eigenvalues, np.full(20, 40), n_volumes, estimator)
+    assert np.array_equal(rank, want_rank)
+    np.testing.assert_allclose(sigma2, want_sigma2, rtol=1e-12, atol=0)
+
+
+def test_exp2_keeps_no_more_than_exp1_and_is_closer_to_the_planted_rank():
+    # exp2's gamma (r-P)/(q-P) exceeds exp1's (r-P)/q, so its threshold is higher: it never keeps more.
+    # With 6 planted components in 27 x 30 patches exp1 keeps noise components that exp2 drops.
+    rng = np.random.default_rng(7)
+    eigenvalues = noisy_spectra(rng, 60, 27, 30, planted_rank=6, strength=2.0)
+    n = np.full(60, 27)
+    rank1, _ = marchenko_pastur_threshold(eigenvalues, n, 30, "exp1")
+    rank2, _ = marchenko_pastur_threshold(eigenvalues, n, 30, "exp2")
+    assert np.all(rank2 <= rank1)
+    assert np.sum(rank2 < rank1) >= 10
+    assert np.mean(np.abs(rank2 - 6)) < np.mean(np.abs(rank1 - 6))
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_numpy_and_torch_agree_exactly(estimator):
+    rng = np.random.default_rng(8)
+    n_voxels = rng.integers(5, 80, size=200)
+    eigenvalues = np.sort(rng.gamma(1.5, size=(200, 30)) ** 2, axis=1)
+    eigenvalues[:, -3:] += 20.0
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, n_voxels, 30, estimator)
+    t_rank, t_sigma2 = marchenko_pastur_threshold(torch.from_numpy(eigenvalues), torch.from_numpy(n_voxels),
+                                                  30, estimator)
+    assert isinstance(t_rank, torch.Tensor)
+    assert np.array_equal(t_rank.numpy(), rank)
+    assert np.array_equal(t_sigma2.numpy(), sigma2)
+
+
+def test_unknown_estimator_is_rejected():
+    with pytest.raises(ValueError, match="estimator"):
+        marchenko_pastur_threshold(np.ones((1, 4)), np.array([10]), 4, "exp3")
+
+
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+def test_aggregation_weights(xp):
+    rank = np.array([0, 1, 5, 47])
+    if xp == "torch":
+        rank = torch.from_numpy(rank)
+    as_list = lambda w: [float(v) for v in w]  # noqa: E731
+    assert as_list(aggregation_weights(rank, False, "weighted")) == [1.0, 1 / 2, 1 / 6, 1 / 48]
+    assert as_list(aggregation_weights(rank, True, "weighted")) == [1 / 2, 1 / 3, 1 / 7, 1 / 49]
+    assert as_list(aggregation_weights(rank, True, "uniform")) == [1.0] * 4
+    assert as_list(aggregation_weights(rank, False, "center")) == [1.0] * 4
+
+
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+def test_signal_projector_is_the_projector_onto_the_leading_eigenvectors(xp):
+    rng = np.random.default_rng(9)
+    m = 12
+    rank = np.arange(m + 1)
+    vectors = np.array([np.linalg.qr(rng.standard_normal((m, m)))[0] for _ in rank])
+    if xp == "torch":
+        projector = signal_projector(torch.from_numpy(vectors), torch.from_numpy(rank)).numpy()
+    else:
+        projector = signal_projector(vectors, rank)
+    for P, V, proj in zip(rank, vectors, projector):
+        np.testing.assert_allclose(proj @ proj, proj, atol=1e-12)  # idempotent
+        np.testing.assert_allclose(proj, proj.T, atol=1e-12)  # orthogonal projector
+        assert np.trace(proj) == pytest.approx(P, abs=1e-12)  # its rank is its trace
+        leading, trailing = V[:, m - P:], V[:, : m - P]  # ascending order: the last P columns lead
+        np.testing.assert_allclose(proj @ leading, leading, atol=1e-12)
+        np.testing.assert_allclose(proj @ trailing, 0, atol=1e-12)
