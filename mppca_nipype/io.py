@@ -42,12 +42,22 @@ def read_data(image, path, what="input", dtype=np.float32):
         raise MPPCAInputError(f"the {what} file {path} is corrupt or truncated ({err})") from None
 
 
+def open_series(path):
+    """Open a 4D series and check its header (4D, enough volumes) without reading the voxels."""
+    from .engine import MIN_VOLUMES
+
+    image = load_image(path)
+    shape = tuple(image.shape)
+    if len(shape) != 4:
+        raise MPPCAInputError(f"the input {path} must be a 4D series, but it is {len(shape)}D {shape}")
+    if shape[3] < MIN_VOLUMES:
+        raise MPPCAInputError(f"the input {path} has {shape[3]} volumes; MP-PCA needs at least {MIN_VOLUMES}")
+    return image
+
+
 def load_series(path):
     """Read a 4D series: returns (float32 array, nibabel image). Scaled integer data are read scaled."""
-    image = load_image(path)
-    if len(image.shape) != 4:
-        raise MPPCAInputError(f"the input {path} must be a 4D series, but it is {len(image.shape)}D "
-                              f"{tuple(image.shape)}")
+    image = open_series(path)
     return read_data(image, path), image
 
 
@@ -97,6 +107,9 @@ def save_like(array, reference, path, dtype=np.float32):
     os.close(fd)
     try:
         nib.save(image, tmp)
+        umask = os.umask(0o022)  # mkstemp makes the file private; give it the usual permissions
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -35,7 +35,10 @@ def reference_extent(extent, spatial_shape, n_volumes):
 
 
 def grid_corners(size, extent, stride):
-    """Window starts along one axis for stride > 1: 0, s, 2s, ... and one flush against the far edge."""
+    """Window starts along one axis for stride > 1: 0, s, 2s, ... and one flush against the far edge.
+
+    The step never exceeds the extent on that axis, so that no voxel falls between two windows."""
+    stride = min(stride, extent)
     last = size - extent
     corners = list(range(0, last + 1, stride))
     if corners[-1] != last:

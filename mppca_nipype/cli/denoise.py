@@ -16,7 +16,8 @@ import warnings
 import numpy as np
 
 from .. import io
-from ..engine import DEFAULTS, DEVICES, MIN_VOLUMES, MPPCAInputError, MPPCAWarning, denoise, resolve_options
+from ..engine import (DEFAULTS, DEVICES, MPPCAInputError, MPPCAWarning, check_device, denoise,
+                      resolve_options)
 from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .common import ArgumentParser, ProgressBar, say, staged_outputs, user_errors, warnings_as_lines
 
@@ -124,13 +125,8 @@ def run(args, parser) -> None:
     started = time.perf_counter()
 
     # the input's header and the mask: shapes only, no voxel of the series is read yet
-    image = io.load_image(args.input)
+    image = io.open_series(args.input)
     shape = tuple(image.shape)
-    if len(shape) != 4:
-        raise MPPCAInputError(f"the input {args.input} must be a 4D series, but it is {len(shape)}D {shape}")
-    if shape[3] < MIN_VOLUMES:
-        raise MPPCAInputError(f"the input {args.input} has {shape[3]} volumes; MP-PCA needs at least "
-                              f"{MIN_VOLUMES}")
     mask = io.load_mask(args.mask, shape[:3]) if args.mask else None
     options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
                    aggregation=args.aggregation, demean=args.demean)
@@ -140,9 +136,7 @@ def run(args, parser) -> None:
             resolve_options(shape, **options)
     except MPPCAInputError as err:
         parser.error(str(err))
-    if args.device == "cuda":
-        from ..engine import _pick_backend
-        _pick_backend("cuda")  # raises MPPCAInputError, with the reason, when no GPU can be used
+    check_device(args.device)  # raises MPPCAInputError, with the reason, when 'cuda' cannot be used
 
     # the destinations: distinct, not an input, writable (proved by creating their temporary files)
     outputs = {args.output: "output"}

@@ -19,7 +19,7 @@ from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
 __all__ = ["denoise", "DenoiseResult", "DenoiseOptions", "MPPCAInputError", "MPPCAWarning",
-           "MIN_VOLUMES", "DEFAULTS", "available_cpus"]
+           "MIN_VOLUMES", "DEFAULTS", "available_cpus", "check_device", "resolve_options"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -173,7 +173,6 @@ def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estima
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
                               aggregation=aggregation, demean=demean)
-    _check_choice("device", device, DEVICES)
     if nprocs is not None and (isinstance(nprocs, bool) or int(nprocs) != nprocs or nprocs < 1):
         raise MPPCAInputError(f"nprocs must be a positive integer, not {nprocs!r}")
 
@@ -192,7 +191,7 @@ def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estima
             f"patches of {plan.patch_size} voxels and {t_eff} usable volumes: MP-PCA is unreliable with "
             f"fewer than {FEW_SAMPLES} of either", MPPCAWarning, stacklevel=2)
 
-    backend = _pick_backend(device)
+    backend = _backend(device)
     sums = backend(data, finite, plan, options, nprocs=nprocs, progress=progress)
     result = _finish(raw, mask, finite, sums)
     result.info.update(sums.info)
@@ -203,18 +202,31 @@ def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estima
     return result
 
 
-def _pick_backend(device):
-    if device in ("auto", "cuda"):
-        try:
-            from .gpu import usable as gpu_usable
-            reason = gpu_usable()
-        except ImportError as err:
-            reason = f"the GPU engine is not installed ({err.name} is missing; pip install 'mppca-nipype[gpu]')"
-        if reason is None:
-            from .gpu.pipeline import denoise_gpu
-            return denoise_gpu
-        if device == "cuda":
-            raise MPPCAInputError(f"device 'cuda' was asked for but {reason}")
+def check_device(device: str) -> str:
+    """The backend ``denoise(device=device)`` would run: "cuda" or "cpu".
+
+    ``auto`` takes a usable CUDA GPU when the GPU engine is installed, else the CPU; ``cuda`` raises
+    MPPCAInputError, with the reason, when no GPU can be used.
+    """
+    _check_choice("device", device, DEVICES)
+    if device == "cpu":
+        return "cpu"
+    try:
+        from .gpu import usable as gpu_usable
+        reason = gpu_usable()
+    except ImportError as err:
+        reason = f"the GPU engine is not installed ({err.name} is missing; pip install 'mppca-nipype[gpu]')"
+    if reason is None:
+        return "cuda"
+    if device == "cuda":
+        raise MPPCAInputError(f"device 'cuda' was asked for but {reason}")
+    return "cpu"
+
+
+def _backend(device: str):
+    if check_device(device) == "cuda":
+        from .gpu.pipeline import denoise_gpu
+        return denoise_gpu
     from .cpu import denoise_cpu
     return denoise_cpu
 

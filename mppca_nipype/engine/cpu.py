@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import multiprocessing
 from multiprocessing import shared_memory
 import os
+import signal
 import sys
 import time
 
@@ -227,7 +228,9 @@ def _one_thread(eigh: str):
 
 
 def _attach(volume_name, volume_shape, finite_name, plan, options, eigh):
-    """Worker initializer: map the shared input, limit BLAS to one thread."""
+    """Worker initializer: map the shared input, limit BLAS to one thread. Ctrl-C is the parent's to handle:
+    workers ignore SIGINT, so an interrupt prints one message, not a traceback per worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     volume_shm = shared_memory.SharedMemory(name=volume_name)
     finite_shm = shared_memory.SharedMemory(name=finite_name)
     _WORKER.update(

@@ -9,7 +9,8 @@ Two layouts, as DESIGN.md fixes them:
   coincide (all voxels within ``extent // 2`` of an edge share the flush window), so the distinct windows
   are the positions ``0 .. size - extent`` on each axis, and a window serves one or more centre voxels.
 * ``stride > 1``: windows on a grid of step ``stride``, plus one flush against the far edge of each axis so
-  that every voxel is covered. A window serves no particular centre.
+  that every voxel is covered. A window serves no particular centre. On an axis where the extent is smaller
+  than the stride, the step is the extent (a larger one would leave gaps between windows).
 
 Both backends compute each *distinct* window once; a window's multiplicity (how many centre voxels chose
 it) becomes a factor on its aggregation weight, which makes the result identical to computing every
@@ -69,8 +70,11 @@ def resolve_extent(extent, spatial_shape, n_volumes: int) -> tuple[int, int, int
 
 
 def window_positions(size: int, extent: int, stride: int) -> np.ndarray:
-    """Corners (first index) of the distinct windows along one axis."""
+    """Corners (first index) of the distinct windows along one axis.
+
+    The step is ``min(stride, extent)``: a larger one would leave voxels between two windows."""
     last = size - extent
+    stride = min(stride, extent)
     if stride == 1:
         return np.arange(last + 1)
     corners = np.arange(0, last + 1, stride)
