@@ -2,7 +2,9 @@
 
 The kernels read patches straight from the volume, a (V, T) float32 matrix with one row per voxel of the
 flattened (X, Y, Z) grid: a window is its corner row ``window_base`` plus the precomputed ``voxel_offsets``
-(one add per voxel, no div/mod on the hot path). No (B, n, T) batch of patches is ever stored.
+(one add per voxel, no div/mod on the hot path; n and T are compile-time constants, so the row stride is a
+multiplication by a constant and the voxel loop's trip count is known). No (B, n, T) batch of patches is
+ever stored.
 
 * ``gram``: the T x T Gram matrix of each window's (optionally voxel-centred) patch, and the number of
   voxels that took part (finite ones); the centring is done in registers, in the same pass.
@@ -52,7 +54,7 @@ def _block_voxels(n_volumes: int) -> int:
 
 @triton.jit
 def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gram_ptr, n_took_part_ptr,
-                 n_voxels, n_volumes,
+                 n_voxels: tl.constexpr, n_volumes: tl.constexpr,
                  DEMEAN: tl.constexpr, FP64: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     window = tl.program_id(0)
     base = tl.load(window_base_ptr + window)  # int64: corner row of this window
@@ -75,7 +77,7 @@ def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gra
         if DEMEAN:
             mean = tl.sum(x, axis=1) / n_volumes
             x = tl.where(volume_valid[None, :], x - mean[:, None], 0.0)
-        gram = tl.dot(tl.trans(x), x, gram, input_precision="ieee")
+        gram = tl.dot(tl.trans(x), x, gram, input_precision="ieee", out_dtype=gram.dtype)
         took_part += tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
     out = gram_ptr + window.to(tl.int64) * n_volumes * n_volumes
     tl.store(out + t[:, None] * n_volumes + t[None, :], gram,
@@ -111,7 +113,8 @@ def gram(volume, finite, window_base, voxel_offsets, *, demean: bool, dtype=torc
 @triton.jit
 def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, projector_ptr,
                                    patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
-                                   image_ptr, weight_ptr, sigma_ptr, rank_ptr, n_voxels, n_volumes,
+                                   image_ptr, weight_ptr, sigma_ptr, rank_ptr,
+                                   n_voxels: tl.constexpr, n_volumes: tl.constexpr,
                                    DEMEAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     window = tl.program_id(0)
     patch_weight = tl.load(patch_weight_ptr + window)
@@ -173,7 +176,7 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
 @triton.jit
 def _reconstruct_centres_kernel(volume_ptr, centre_voxel_ptr, centre_window_ptr, projector_ptr,
                                 patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
-                                image_ptr, weight_ptr, sigma_ptr, rank_ptr, n_volumes,
+                                image_ptr, weight_ptr, sigma_ptr, rank_ptr, n_volumes: tl.constexpr,
                                 DEMEAN: tl.constexpr, BLOCK_T: tl.constexpr):
     centre = tl.program_id(0)
     voxel = tl.load(centre_voxel_ptr + centre)  # int64 row of the centre voxel
