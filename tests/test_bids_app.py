@@ -321,10 +321,11 @@ def test_outputs_that_cannot_be_created_exit_73(dataset, tmp_path, capsys):
 
 
 def test_device_cuda_without_a_usable_gpu_exits_1_before_writing(dataset, tmp_path, capsys):
-    from mppca_nipype.engine import MPPCAInputError, _pick_backend
+    from mppca_nipype.cli.bids_app import check_cuda
+    from mppca_nipype.engine import MPPCAInputError
 
     try:
-        _pick_backend("cuda")
+        check_cuda()
         pytest.skip("a GPU is usable here")
     except MPPCAInputError:
         pass

@@ -246,6 +246,15 @@ def select_runs(args, layout, filters):
     return todo, skipped
 
 
+def check_cuda():
+    """Raise MPPCAInputError, with the reason, when the GPU engine cannot run here."""
+    try:
+        from ..engine import check_device
+    except ImportError:  # the engine before check_device was public
+        from ..engine import _pick_backend as check_device
+    check_device("cuda")
+
+
 # -------------------------------------------------------------------------------------------- running
 
 def run(args) -> int:
@@ -290,10 +299,8 @@ def run(args) -> int:
 
     use_gpu = False
     if args.device == "cuda":
-        from ..engine import _pick_backend
-
         try:
-            _pick_backend("cuda")
+            check_cuda()
         except MPPCAInputError as err:
             raise AppError(str(err), EXIT["failure"]) from None
         use_gpu = True
