@@ -102,25 +102,35 @@ def patch_matrix(data, voxels, finite):
     return data[x, y, z].astype(np.float64), kept
 
 
-def patch_spectrum(X, demeaned):
-    """Eigen-decomposition of the smaller Gram matrix of X (n x T), and the degrees of freedom along time.
+def patch_spectrum(X):
+    """Eigen-decomposition of the smaller Gram matrix of X (n x T).
 
-    Returns (eigenvalues, eigenvectors, time_side, n_volumes_eff): ascending eigenvalues, eigenvectors as
-    columns; ``time_side`` when the Gram is T x T (n >= T).
+    Returns (eigenvalues, eigenvectors, time_side): ascending eigenvalues, eigenvectors as columns;
+    ``time_side`` when the Gram is T x T (n >= T).
     """
     n, T = X.shape
     time_side = n >= T
     gram = X.T @ X if time_side else X @ X.T
     eigenvalues, eigenvectors = np.linalg.eigh(gram)
-    return eigenvalues, eigenvectors, time_side, T - (1 if demeaned else 0)
+    return eigenvalues, eigenvectors, time_side
 
 
-def denoise_patch(X, demeaned, estimator):
-    """MP-PCA of one patch: (X_hat, P, sigma^2)."""
-    means = X.mean(axis=1, keepdims=True) if demeaned else np.zeros((X.shape[0], 1))
+def denoise_patch(X, demean, estimator):
+    """MP-PCA of one patch: (X_hat, P, sigma^2).
+
+    ``demean``: "none"; "voxel" removes each row's mean (one degree of freedom less along time);
+    "volume" removes each column's mean, the patch's mean time course (one less along the voxels).
+    """
+    n, T = X.shape
+    if demean == "voxel":
+        means, n_eff, t_eff = X.mean(axis=1, keepdims=True), n, T - 1
+    elif demean == "volume":
+        means, n_eff, t_eff = X.mean(axis=0, keepdims=True), n - 1, T
+    else:
+        means, n_eff, t_eff = np.zeros((1, 1)), n, T
     centred = X - means
-    eigenvalues, eigenvectors, time_side, t_eff = patch_spectrum(centred, demeaned)
-    P, sigma2 = mp_threshold(eigenvalues, X.shape[0], t_eff, estimator)
+    eigenvalues, eigenvectors, time_side = patch_spectrum(centred)
+    P, sigma2 = mp_threshold(eigenvalues, n_eff, t_eff, estimator)
     top = eigenvectors[:, ::-1][:, :P]  # the P leading eigenvectors
     if time_side:
         restored = centred @ top @ top.T  # X V_P V_P^T
@@ -137,7 +147,7 @@ def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, e
     mask = np.ones(shape3, dtype=bool) if mask is None else np.asarray(mask) != 0
     finite = np.isfinite(data).all(axis=3)
     extent = reference_extent(extent, shape3, T)
-    demeaned = demean == "voxel"
+    demeaned = demean != "none"
     assert aggregation != "center" or stride == 1
 
     image = np.zeros(data.shape)
@@ -146,7 +156,7 @@ def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, e
     rank_sum = np.zeros(shape3)
     for corner, centre in reference_patches(shape3, extent, stride, mask, finite):
         X, kept = patch_matrix(data, window_voxels(corner, extent), finite)
-        restored, P, sigma2 = denoise_patch(X, demeaned, estimator)
+        restored, P, sigma2 = denoise_patch(X, demean, estimator)
         if aggregation == "center":
             row = kept.index(centre)
             image[centre] = restored[row]

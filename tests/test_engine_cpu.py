@@ -20,13 +20,13 @@ from reference import denoise_reference
 ALL_COMBINATIONS = [
     (aggregation, demean, estimator, stride)
     for aggregation, demean, estimator, stride in itertools.product(
-        ["center", "weighted", "uniform"], ["none", "voxel"], ["exp1", "exp2"], [1, 2, 3])
+        ["center", "weighted", "uniform"], ["none", "voxel", "volume"], ["exp1", "exp2"], [1, 2, 3])
     if aggregation != "center" or stride == 1
 ]
 SOME_COMBINATIONS = [
     ("center", "none", "exp2", 1), ("center", "voxel", "exp1", 1), ("weighted", "voxel", "exp2", 1),
     ("weighted", "voxel", "exp2", 2), ("weighted", "none", "exp1", 3), ("uniform", "voxel", "exp1", 1),
-    ("uniform", "none", "exp2", 2),
+    ("uniform", "none", "exp2", 2), ("weighted", "volume", "exp2", 2), ("center", "volume", "exp1", 1),
 ]
 
 # name: (shape, volumes, extent, fraction of voxels in the mask or None); strides stay <= every extent
@@ -125,7 +125,8 @@ def nonfinite_data(case="time-side", seed=4):
 # square: n = 27 = T, so a patch that loses voxels has n_eff < T; the engine keeps the T x T Gram there
 @pytest.mark.parametrize("case", ["time-side", "voxel-side", "square"])
 @pytest.mark.parametrize("aggregation, demean, stride", [("center", "none", 1), ("weighted", "voxel", 1),
-                                                         ("uniform", "none", 2), ("weighted", "voxel", 3)])
+                                                         ("uniform", "none", 2), ("weighted", "voxel", 3),
+                                                         ("weighted", "volume", 2), ("center", "volume", 1)])
 def test_nonfinite_voxels_are_left_out_and_never_spread(case, aggregation, demean, stride):
     data, mask = nonfinite_data(case)
     bad = ~np.isfinite(data).all(axis=3)

@@ -66,7 +66,8 @@ class DenoiseOptions:
 
     @property
     def demeaned(self) -> bool:
-        return self.demean == "voxel"
+        """Whether a mean was removed (it costs the patch one parameter in the aggregation weight)."""
+        return self.demean != "none"
 
 
 def available_cpus() -> int:
@@ -152,9 +153,11 @@ def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estima
         How overlapping patches combine: ``center`` takes each voxel from its own patch (needs stride 1;
         dwidenoise); ``weighted`` averages all covering patches with weight 1/(1 + P + demeaned);
         ``uniform`` averages them equally.
-    demean : {"voxel", "none"}
-        ``voxel`` removes each voxel's temporal mean inside a patch before PCA (and adds it back);
-        ``none`` is dwidenoise's behaviour.
+    demean : {"volume", "voxel", "none"}
+        What mean to remove inside a patch before PCA (and add back after): ``volume``, the patch's mean
+        time course (the mean over its voxels of each volume; DIPY's centring; costs one voxel's worth of
+        degrees of freedom); ``voxel``, each voxel's temporal mean (costs one volume); ``none``,
+        dwidenoise's behaviour.
     device : {"auto", "cpu", "cuda"}
         ``auto`` uses a usable CUDA GPU when the GPU engine is installed, else the CPU.
     nprocs : int, optional
@@ -185,13 +188,13 @@ def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estima
     if n_nonfinite or not finite.all():
         data = np.where(finite[..., None], data, np.float32(0))
     plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
-    t_eff = data.shape[3] - options.demeaned
+    t_eff = data.shape[3] - (options.demean == "voxel")
     if plan.patch_size < FEW_SAMPLES or t_eff < FEW_SAMPLES:
         warnings.warn(
             f"patches of {plan.patch_size} voxels and {t_eff} usable volumes: MP-PCA is unreliable with "
             f"fewer than {FEW_SAMPLES} of either", MPPCAWarning, stacklevel=2)
 
-    backend = _backend(device)
+    backend = _backend(device, options)
     sums = backend(data, finite, plan, options, nprocs=nprocs, progress=progress)
     result = _finish(raw, mask, finite, sums)
     result.info.update(sums.info)
@@ -223,10 +226,19 @@ def check_device(device: str) -> str:
     return "cpu"
 
 
-def _backend(device: str):
+def _backend(device: str, options: DenoiseOptions):
     if check_device(device) == "cuda":
-        from .gpu.pipeline import denoise_gpu
-        return denoise_gpu
+        from . import gpu
+
+        supported = getattr(gpu, "DEMEANING", ("none", "voxel"))
+        if options.demean in supported:
+            from .gpu.pipeline import denoise_gpu
+            return denoise_gpu
+        if device == "cuda":
+            raise MPPCAInputError(f"demean '{options.demean}' is not available on the GPU yet; "
+                                  f"use one of {', '.join(supported)} or device 'cpu'")
+        warnings.warn(f"demean '{options.demean}' is not available on the GPU yet; running on the CPU",
+                      MPPCAWarning, stacklevel=3)
     from .cpu import denoise_cpu
     return denoise_cpu
 

@@ -91,7 +91,8 @@ def batch_size(n_voxels: int, n_volumes: int) -> int:
 class WindowFit:
     """MP-PCA of a batch of windows: what the aggregation needs.
 
-    ``patches`` (B, n, T) float64, centred when demeaning (``means`` (B, n, 1), else None); ``eigenvectors``
+    ``patches`` (B, n, T) float64, centred when demeaning (``means``: (B, n, 1) per voxel or (B, 1, T) per
+    volume, else None); ``eigenvectors``
     (B, m, m) of the Gram on the smaller side (``time_side``: m = T, else m = n), ascending; ``rank`` and
     ``sigma2`` (B,); ``voxels`` (B, n) flat indices and ``took_part`` (B, n) (finite voxels).
     """
@@ -135,7 +136,7 @@ class WindowFit:
             mixing = np.einsum("vk,vnk->vn", kept[np.arange(len(window)), position], vectors)
             restored = np.einsum("vn,vnt->vt", mixing, self.patches[window])
         if self.means is not None:
-            restored += self.means[window, position]
+            restored += np.broadcast_to(self.means, self.patches.shape)[window, position]
         return restored
 
 
@@ -145,19 +146,24 @@ def fit_windows(volume, finite, plan, options, windows: slice, eigh: str = "nump
     voxels = base[:, None] + plan.voxel_offsets[None, :]
     patches = volume[voxels].astype(np.float64)  # (B, n, T); left-out voxels are rows of zeros
     took_part = finite[voxels]
+    n_voxels = took_part.sum(axis=1)
     n_volumes = patches.shape[2]
     means = None
-    if options.demeaned:
+    if options.demean == "voxel":  # each voxel's mean over time: one degree of freedom less along time
         means = patches.mean(axis=2, keepdims=True)
         patches -= means
-    time_side = plan.patch_size >= n_volumes
+        n_volumes -= 1
+    elif options.demean == "volume":  # the patch's mean time course: one less along the voxels
+        means = patches.sum(axis=1, keepdims=True) / np.maximum(n_voxels, 1)[:, None, None]
+        patches -= means * took_part[:, :, None]  # left-out voxels stay rows of zeros
+        n_voxels = n_voxels - 1
+    time_side = plan.patch_size >= patches.shape[2]
     if time_side:
         gram = np.matmul(patches.transpose(0, 2, 1), patches)
     else:
         gram = np.matmul(patches, patches.transpose(0, 2, 1))
     eigenvalues, eigenvectors = batched_eigh(gram, eigh)
-    rank, sigma2 = marchenko_pastur_threshold(
-        eigenvalues, took_part.sum(axis=1), n_volumes - options.demeaned, options.estimator)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, options.estimator)
     return WindowFit(patches, means, eigenvectors, time_side, rank, sigma2, voxels, took_part)
 
 

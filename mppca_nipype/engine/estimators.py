@@ -18,7 +18,7 @@ from array_api_compat import array_namespace
 
 ESTIMATORS = ("exp2", "exp1")
 AGGREGATIONS = ("center", "weighted", "uniform")
-DEMEANING = ("none", "voxel")
+DEMEANING = ("none", "voxel", "volume")
 
 
 def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str = "exp2"):
