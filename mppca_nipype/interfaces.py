@@ -27,8 +27,14 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
 from nipype.utils.filemanip import fname_presuffix
 
 from .engine import DEFAULTS
+from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 
 LOGGER = logging.getLogger("nipype.interface")
+
+
+def default_first(option: str, choices) -> tuple:
+    """The choices with the engine's default first (a traits.Enum's first value is its default)."""
+    return (DEFAULTS[option], *(c for c in choices if c != DEFAULTS[option]))
 
 
 @lru_cache(maxsize=1)
@@ -63,12 +69,13 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
         desc="patch size in voxels, odd: 'auto' (smallest odd e with e^3 >= volumes), one int or three")
     stride = traits.Int(DEFAULTS["stride"], usedefault=True,
                         desc="patch grid step; 1 makes every voxel the centre of a patch (dwidenoise)")
-    estimator = traits.Enum("exp2", "exp1", usedefault=True,
+    estimator = traits.Enum(*default_first("estimator", ESTIMATORS), usedefault=True,
                             desc="Marchenko-Pastur noise estimator (Cordero-Grande 2019: exp2; Veraart 2016: exp1)")
-    aggregation = traits.Enum("weighted", "center", "uniform", usedefault=True,
+    aggregation = traits.Enum(*default_first("aggregation", AGGREGATIONS), usedefault=True,
                               desc="how overlapping patches combine; 'center' needs stride 1")
-    demean = traits.Enum("voxel", "none", usedefault=True,
-                         desc="remove each voxel's temporal mean inside a patch before PCA ('none': dwidenoise)")
+    demean = traits.Enum(*default_first("demean", DEMEANING), usedefault=True,
+                         desc="mean removed inside a patch before PCA: 'volume' the patch's mean time course, "
+                              "'voxel' each voxel's temporal mean, 'none' nothing (dwidenoise)")
     use_gpu = traits.Bool(gpu_probably_usable(), usedefault=True,
                           desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
                                "GPU slot for the node. Default: true when a GPU is usable here")

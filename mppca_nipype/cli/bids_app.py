@@ -20,8 +20,7 @@ import warnings
 
 from ..engine import DEFAULTS, DEVICES, MPPCAInputError, available_cpus
 from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
-from .common import fail, say
-from .denoise import parse_extent, positive_int
+from .common import fail, parse_extent, positive_int, say
 
 PROG = "mppca-nipype"
 
@@ -248,10 +247,8 @@ def select_runs(args, layout, filters):
 
 def check_cuda():
     """Raise MPPCAInputError, with the reason, when the GPU engine cannot run here."""
-    try:
-        from ..engine import check_device
-    except ImportError:  # the engine before check_device was public
-        from ..engine import _pick_backend as check_device
+    from ..engine import check_device
+
     check_device("cuda")
 
 

@@ -202,3 +202,29 @@ def staged_outputs(paths):
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
+
+
+# -- option types shared by the commands -------------------------------------------------------------
+
+def parse_extent(text: str):
+    """``auto``, ``N`` or ``X,Y,Z`` (odd positive integers) -> "auto", an int, or a tuple of three ints."""
+    if text == "auto":
+        return "auto"
+    problem = f"must be 'auto', an odd number N or three odd numbers X,Y,Z, not {text!r}"
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(problem) from None
+    if len(values) not in (1, 3) or any(v < 1 or v % 2 == 0 for v in values):
+        raise argparse.ArgumentTypeError(problem)
+    return values[0] if len(values) == 1 else values
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return value

@@ -19,7 +19,8 @@ from .. import io
 from ..engine import (DEFAULTS, DEVICES, MPPCAInputError, MPPCAWarning, check_device, denoise,
                       resolve_options)
 from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
-from .common import ArgumentParser, ProgressBar, say, staged_outputs, user_errors, warnings_as_lines
+from .common import (ArgumentParser, ProgressBar, parse_extent, positive_int, say, staged_outputs, user_errors,
+                     warnings_as_lines)
 
 PROG = "mppca-denoise"
 
@@ -39,30 +40,6 @@ weighted aggregation, voxel demeaning, exp2) were chosen by measurement.
 exit status: 0 done; 1 the input cannot be denoised or an output cannot be
 written; 2 the command line is wrong; 130 interrupted (Ctrl-C); 143 terminated
 (SIGTERM). On any failure no output file is left behind."""
-
-
-def parse_extent(text: str):
-    """``auto``, ``N`` or ``X,Y,Z`` (odd positive integers) -> "auto", an int, or a tuple of three ints."""
-    if text == "auto":
-        return "auto"
-    problem = f"must be 'auto', an odd number N or three odd numbers X,Y,Z, not {text!r}"
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(problem) from None
-    if len(values) not in (1, 3) or any(v < 1 or v % 2 == 0 for v in values):
-        raise argparse.ArgumentTypeError(problem)
-    return values[0] if len(values) == 1 else values
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return value
 
 
 def build_parser() -> ArgumentParser:

@@ -42,7 +42,8 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
         size = "x".join(str(e) for e in extent) + " voxels"
     grid = ("centred on every voxel" if stride == 1
             else f"on a grid of step {stride} voxels (plus patches flush with the far edges)")
-    demeaning = (" after removing each voxel's temporal mean" if demean == "voxel" else "")
+    demeaning = {"voxel": " after removing each voxel's temporal mean",
+                 "volume": " after removing the patch's mean time course"}.get(demean, "")
     return (
         f"The {what} were denoised with Marchenko-Pastur principal component analysis (MP-PCA; "
         f"[@veraart2016]) using mppca-nipype {__version__}. Local patches ({size}) were placed {grid}; "
