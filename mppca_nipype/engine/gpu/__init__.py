@@ -6,7 +6,10 @@ that batches windows to fit the device's memory (``pipeline``).
 
 from __future__ import annotations
 
-__all__ = ["usable"]
+__all__ = ["usable", "DEMEANING"]
+
+#: The demeaning modes this engine runs (the engine sends the others to the CPU).
+DEMEANING = ("none", "voxel")
 
 
 def usable() -> str | None:

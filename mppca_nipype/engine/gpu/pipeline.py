@@ -41,7 +41,7 @@ MEMORY_SHARE = 0.5
 def gram_precision(options, precision: str = "auto") -> torch.dtype:
     """float32 with voxel demeaning, float64 without (see the module's note); or as asked."""
     if precision == "auto":
-        return torch.float32 if options.demeaned else torch.float64
+        return torch.float32 if options.demean == "voxel" else torch.float64
     return {"float32": torch.float32, "float64": torch.float64}[precision]
 
 
@@ -123,7 +123,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     n_voxels_total = int(np.prod(data.shape[:3]))
     n_volumes = data.shape[3]
     n_voxels = plan.patch_size
-    demean = options.demeaned
+    demean = options.demean == "voxel"  # the kernels centre each voxel; "volume" is not on the GPU yet
     center = options.aggregation == "center"
     dtype = gram_precision(options, precision)
     time_side = n_voxels >= n_volumes
@@ -169,7 +169,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
         if center:
             patch_weight = converged
         else:
-            patch_weight = (aggregation_weights(patch_rank, demean, options.aggregation)
+            patch_weight = (aggregation_weights(patch_rank, options.demeaned, options.aggregation)
                             * multiplicity[start:stop] * converged)
         patch_weight = patch_weight.to(torch.float32)
         patch_sigma = torch.sqrt(sigma2).to(torch.float32)
