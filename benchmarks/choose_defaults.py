@@ -1,0 +1,349 @@
+"""The sweep that chooses the engine's defaults: error to the truth and speed, on phantoms, on N cores.
+
+Issue 2 fixes the rule: the default extent, stride, aggregation and demeaning are those with the lowest error
+to the ground truth on phantoms among the settings that run at least 5x faster than MRtrix3's ``dwidenoise``
+on the same cores. This script measures every setting of
+
+    extent in {auto, 5, 7} x stride in {1, 2, 3} x aggregation in {weighted, uniform, center (stride 1)}
+    x demean in {none, voxel, and any other mode the engine has}, estimator exp2,
+
+(extents that resolve to the same patch, e.g. auto = 5 for 48 volumes, are run once, under "auto") on each
+phantom, together with ``dwidenoise`` (float32, its defaults) in the same run; then the winner again with
+estimator exp1. The ranking is by RMSE to the truth inside the mask, as a ratio to ``dwidenoise``'s RMSE on
+the same phantom, geometric mean over the phantoms; "fast" means a speed-up of at least 5x over
+``dwidenoise`` on every phantom.
+
+Usage (from the repository root)::
+
+    python benchmarks/choose_defaults.py --threads 2       # the reference size, 64x64x40 x 48 volumes
+    python benchmarks/choose_defaults.py --quick           # tiny phantoms: a smoke test
+
+Writes JSON to ``--out`` (default benchmarks/results/choose_defaults.json) and Markdown next to it
+(``.md``: the summary and one table per phantom); prints the recommendation and then the summary table,
+sorted by RMSE, last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+import warnings
+
+import numpy as np
+
+from cpu_peers import (DIRTY, QUICK_SHAPE, QUICK_VOLUMES, REFERENCE_SHAPE, REFERENCE_VOLUMES, REPO, Dwidenoise,
+                       log, machine_info, make_phantom, markdown_table, parse_shape, percent, pin_to_cores,
+                       run_ours, runs_label, score, timed, timing_note, warm_up_ours)
+from mppca_nipype.engine.estimators import DEMEANING  # every mode the engine has (cpu_peers put it on the path)
+
+#: A setting qualifies as a default only if it is at least this many times faster than dwidenoise.
+SPEEDUP_TARGET = 5.0
+EXTENTS = ("auto", 5, 7)
+STRIDES = (1, 2, 3)
+AGGREGATIONS = ("weighted", "uniform", "center")
+DEFAULT_PHANTOMS = "lowrank:5,dwi:5,dwi:20"
+#: The options that make up a "setting" (the estimator is swept separately, for the winner).
+KEYS = ("extent", "stride", "aggregation", "demean", "estimator")
+
+
+def distinct_extents(shape, n_volumes, extents=EXTENTS):
+    """[(label, value passed to denoise, resolved extent)], one per distinct resolved patch."""
+    from mppca_nipype.engine.patches import resolve_extent
+
+    seen = {}
+    for extent in extents:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resolved = tuple(resolve_extent(extent, shape, n_volumes))
+        if resolved in seen:
+            continue
+        size = "x".join(map(str, resolved)) if len(set(resolved)) > 1 else str(resolved[0])
+        label = f"auto (={size})" if extent == "auto" else size
+        seen[resolved] = (label, extent, resolved)
+    return list(seen.values())
+
+
+def settings(extents, strides=STRIDES, aggregations=AGGREGATIONS, demeaning=DEMEANING, estimator="exp2"):
+    """Every setting of the sweep as a dict of ``denoise`` options plus a display label for the extent."""
+    for label, extent, _ in extents:
+        for stride in strides:
+            for aggregation in aggregations:
+                if aggregation == "center" and stride != 1:
+                    continue
+                for demean in demeaning:
+                    yield dict(extent=extent, stride=stride, aggregation=aggregation, demean=demean,
+                               estimator=estimator, extent_label=label)
+
+
+def setting_key(setting) -> str:
+    return " ".join(f"{k}={setting[k]}" for k in KEYS)
+
+
+def options_of(setting) -> dict:
+    return {k: setting[k] for k in KEYS}
+
+
+def measure(setting, phantoms, references, args) -> dict:
+    """Run one setting on every phantom; return its scores, times and speed-ups."""
+    per_phantom = {}
+    for phantom in phantoms:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (denoised, sigma, info), seconds = timed(
+                lambda: run_ours(phantom, args.threads, **options_of(setting)), args.repeats,
+                args.single_above)
+        entry = dict(seconds=min(seconds), seconds_all=seconds, runs=runs_label(seconds),
+                     **score(phantom, denoised, sigma))
+        reference = references[phantom.name]
+        entry["rmse_vs_dwidenoise"] = entry["rmse_mask"] / reference["rmse_mask"]
+        entry["speedup_vs_dwidenoise"] = reference["seconds"] / entry["seconds"]
+        entry["eigh"] = info.get("eigh")
+        per_phantom[phantom.name] = entry
+    ratios = [e["rmse_vs_dwidenoise"] for e in per_phantom.values()]
+    sigma_errors = [e["sigma_rms_rel"] for e in per_phantom.values() if e["sigma_rms_rel"] is not None]
+    speedups = [e["speedup_vs_dwidenoise"] for e in per_phantom.values()]
+    return dict(setting={**options_of(setting), "extent_label": setting["extent_label"]},
+                key=setting_key(setting), phantoms=per_phantom,
+                rmse_ratio_geomean=float(math.exp(np.mean(np.log(ratios)))),
+                sigma_rms_rel_mean=float(np.mean(sigma_errors)) if sigma_errors else None,
+                speedup_min=float(min(speedups)), fast=bool(min(speedups) >= SPEEDUP_TARGET))
+
+
+def is_setting(row, options) -> bool:
+    """Whether a measured row is the setting ``options`` (extent "auto" matches its resolved label)."""
+    s = row["setting"]
+    return all(str(s[k]) == str(options[k]) for k in KEYS)
+
+
+def choose(rows):
+    """The fast setting with the lowest RMSE ratio, or (none fast) the lowest RMSE overall and a note."""
+    fast = [r for r in rows if r["fast"]]
+    pool = fast or rows
+    winner = min(pool, key=lambda r: r["rmse_ratio_geomean"])
+    note = ("" if fast else
+            f"no setting reached {SPEEDUP_TARGET:g}x over dwidenoise; the winner is the most accurate one")
+    return winner, note
+
+
+# -- tables ---------------------------------------------------------------------------------------------------
+
+def summary_table(rows, phantom_names, current, winner) -> str:
+    headers = (["#", "extent", "stride", "aggregation", "demean", "estimator"]
+               + [f"RMSE {name}" for name in phantom_names]
+               + ["RMSE ÷ dwidenoise (geo. mean)", "σ rms rel. err (mean)", f"wall s {phantom_names[0]}",
+                  "speed-up vs dwidenoise (min)", f"≥{SPEEDUP_TARGET:g}x", "note"])
+    lines = []
+    for rank, r in enumerate(sorted(rows, key=lambda r: r["rmse_ratio_geomean"]), 1):
+        s = r["setting"]
+        notes = []
+        if r is winner:
+            notes.append("**winner**")
+        if current is not None and r is current:
+            notes.append("current default")
+        if s["stride"] == 1 and s["aggregation"] == "center" and s["demean"] == "none":
+            notes.append("dwidenoise mode" if str(s["extent"]) == "auto" else "")
+        first = r["phantoms"][phantom_names[0]]
+        lines.append([rank, s["extent_label"], s["stride"], s["aggregation"], s["demean"], s["estimator"]]
+                     + [f"{r['phantoms'][name]['rmse_mask']:.3f}" for name in phantom_names]
+                     + [f"{r['rmse_ratio_geomean']:.4f}", percent(r["sigma_rms_rel_mean"], signed=False),
+                        f"{first['seconds']:.2f}", f"{r['speedup_min']:.2f}x", "✓" if r["fast"] else "",
+                        ", ".join(n for n in notes if n)])
+    return markdown_table(headers, lines)
+
+
+def reference_table(references, phantoms) -> str:
+    headers = ["phantom", "input RMSE (mask)", "dwidenoise RMSE (mask)", "dwidenoise σ rms rel. err",
+               "dwidenoise wall s", "runs"]
+    rows = []
+    for phantom in phantoms:
+        ref = references[phantom.name]
+        rows.append([phantom.name, f"{phantom.summary()['input_rmse_mask']:.3f}", f"{ref['rmse_mask']:.3f}",
+                     percent(ref["sigma_rms_rel"], signed=False), f"{ref['seconds']:.2f}", ref["runs"]])
+    return markdown_table(headers, rows)
+
+
+def phantom_detail_table(rows, name) -> str:
+    headers = ["extent", "stride", "aggregation", "demean", "estimator", "RMSE mask", "RMSE all",
+               "RMSE ÷ dwidenoise", "σ median rel. err", "σ rms rel. err", "wall s", "runs", "speed-up"]
+    lines = []
+    for r in sorted(rows, key=lambda r: r["phantoms"][name]["rmse_mask"]):
+        s, e = r["setting"], r["phantoms"][name]
+        lines.append([s["extent_label"], s["stride"], s["aggregation"], s["demean"], s["estimator"],
+                      f"{e['rmse_mask']:.3f}", f"{e['rmse_all']:.3f}", f"{e['rmse_vs_dwidenoise']:.4f}",
+                      percent(e["sigma_median_rel"]), percent(e["sigma_rms_rel"], signed=False),
+                      f"{e['seconds']:.2f}",
+                      e["runs"], f"{e['speedup_vs_dwidenoise']:.2f}x"])
+    return markdown_table(headers, lines)
+
+
+def describe(setting) -> str:
+    return ", ".join(f"{k}={setting[k]!r}" for k in KEYS)
+
+
+def recommendation(report) -> str:
+    winner = report["winner"]
+    exp1 = report.get("winner_exp1")
+    best = winner
+    if exp1 is not None and exp1["rmse_ratio_geomean"] < winner["rmse_ratio_geomean"]:
+        best = exp1
+    chosen = dict(best["setting"])
+    lines = [f"Winner (lowest RMSE among settings >= {SPEEDUP_TARGET:g}x faster than dwidenoise on every "
+             f"phantom): {describe(winner['setting'])}: RMSE {winner['rmse_ratio_geomean']:.4f} x dwidenoise's, "
+             f"speed-up {winner['speedup_min']:.2f}x (min over phantoms)."]
+    if report["note"]:
+        lines.append("Note: " + report["note"] + ".")
+    if exp1 is not None:
+        lines.append(f"The same with estimator exp1: RMSE {exp1['rmse_ratio_geomean']:.4f} x dwidenoise's, "
+                     f"speed-up {exp1['speedup_min']:.2f}x: "
+                     f"{'exp1 is better' if best is exp1 else 'exp2 stays'}.")
+    current = report["current_defaults"]
+    current_row = report.get("current_row")
+    if current_row is None:
+        lines.append(f"The current defaults ({describe(current)}) were not among the settings measured.")
+    else:
+        position = 1 + sorted(r["rmse_ratio_geomean"] for r in report["rows"]).index(
+            current_row["rmse_ratio_geomean"])
+        lines.append(f"Current defaults ({describe(current)}): #{position} of {len(report['rows'])}, RMSE "
+                     f"{current_row['rmse_ratio_geomean']:.4f} x dwidenoise's "
+                     f"({100 * (current_row['rmse_ratio_geomean'] / best['rmse_ratio_geomean'] - 1):+.2f}% "
+                     f"against the recommendation), speed-up {current_row['speedup_min']:.2f}x "
+                     f"({'fast' if current_row['fast'] else 'NOT fast enough'}).")
+    same = all(str(chosen[k]) == str(current[k]) for k in KEYS)
+    lines.append("Recommendation: " + ("keep the current defaults." if same else
+                                       f"DEFAULTS = dict({', '.join(f'{k}={chosen[k]!r}' for k in KEYS)})."))
+    return "\n".join(lines)
+
+
+def report_markdown(report, phantoms) -> str:
+    m = report["machine"]
+    names = [p.name for p in phantoms]
+    out = [f"CPU: {m['cpu_model']} ({m['logical_cpus']} logical CPUs), {m['threads']} threads used (pinned "
+           f"to CPUs {m['pinned_cpus']}); load average at start "
+           f"{', '.join(f'{x:.2f}' for x in m['load_average_at_start'])}, at end "
+           f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}.",
+           f"Command: `{m['command']}` (commit {m['git_commit'] or 'unknown'}"
+           f"{DIRTY if m['package_modified'] else ''}; {report['timing']}).",
+           f"Phantoms: {report['phantom_shape']} voxels x {report['volumes']} volumes: "
+           + "; ".join(f"{p.name}: {p.description}" for p in phantoms) + ".", "",
+           "dwidenoise (float32, its defaults) in the same run:", "",
+           reference_table(report["references"], phantoms),
+           ""]
+    if report.get("winner_exp1") is not None:
+        out += ["The winner with each estimator:", "",
+                summary_table([report["winner"], report["winner_exp1"]], names, None, report["winner"]), ""]
+    out += [recommendation(report), "", "All settings, sorted by RMSE (ratio to dwidenoise's, geometric mean "
+            "over the phantoms):", "", summary_table(report["rows"], names, report.get("current_row"),
+                                                      report["winner"]), ""]
+    return "\n".join(out)
+
+
+def choices(convert, allowed=None):
+    """An argparse type for a comma-separated list, each item converted and, optionally, checked."""
+    def parse(text):
+        try:
+            items = tuple(convert(item.strip()) for item in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot read {text!r}") from None
+        if allowed is not None and not set(items) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {','.join(allowed)}")
+        return items
+    return parse
+
+
+def main(argv=None):
+    from mppca_nipype.engine import DEFAULTS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="cores: nprocs for ours and -nthreads for dwidenoise (default 2)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"tiny phantoms ({'x'.join(map(str, QUICK_SHAPE))}x{QUICK_VOLUMES}), one run each")
+    parser.add_argument("--phantoms", default=DEFAULT_PHANTOMS,
+                        help=f"comma-separated kind:sigma, kind lowrank or dwi (default {DEFAULT_PHANTOMS})")
+    parser.add_argument("--shape", type=parse_shape, default=None,
+                        help="phantom size X,Y,Z (default 64,64,40; --quick: 20,18,14)")
+    parser.add_argument("--volumes", type=int, default=None, help="volumes (default 48; --quick: 24)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per setting and phantom, best kept (default 3; --quick: 1)")
+    parser.add_argument("--single-above", type=float, default=10.0,
+                        help="run once when the first run takes longer than this (s; default 10)")
+    parser.add_argument("--extents", type=choices(lambda e: e if e == "auto" else int(e)), default=EXTENTS,
+                        help="only these extents (default auto,5,7)")
+    parser.add_argument("--strides", type=choices(int), default=STRIDES, help="only these strides (default 1,2,3)")
+    parser.add_argument("--aggregations", type=choices(str, AGGREGATIONS), default=AGGREGATIONS,
+                        help="only these aggregations (default weighted,uniform,center)")
+    parser.add_argument("--demean", type=choices(str, DEMEANING), default=DEMEANING,
+                        help=f"only these demeaning modes (default {','.join(DEMEANING)})")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="do not restrict the process to --threads CPUs (pinned by default)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "choose_defaults.json",
+                        help="JSON output; the Markdown goes next to it as .md")
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
+    shape = args.shape or (QUICK_SHAPE if args.quick else REFERENCE_SHAPE)
+    volumes = args.volumes or (QUICK_VOLUMES if args.quick else REFERENCE_VOLUMES)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+
+    pinned = [] if args.no_pin else pin_to_cores(args.threads)
+    machine = machine_info(args.threads, pinned)
+    log(f"{machine['cpu_model']}: {args.threads} threads, pinned to {pinned or 'nothing'}")
+    phantoms = [make_phantom(spec.strip(), shape, volumes) for spec in args.phantoms.split(",")]
+    warm_up_ours(args.threads)
+
+    references = {}
+    for phantom in phantoms:
+        try:
+            dwi = Dwidenoise(phantom, args.threads)
+        except RuntimeError as err:
+            raise SystemExit(f"choose_defaults.py times every setting against dwidenoise: {err}") from None
+        try:
+            (denoised, noise), seconds = timed(dwi.run, args.repeats, args.single_above)
+        finally:
+            dwi.close()
+        references[phantom.name] = dict(seconds=min(seconds), seconds_all=seconds, runs=runs_label(seconds),
+                                        **score(phantom, denoised, noise))
+        log(f"{phantom.name}: dwidenoise {references[phantom.name]['seconds']:.2f} s, "
+            f"RMSE {references[phantom.name]['rmse_mask']:.3f}")
+
+    extents = distinct_extents(shape, volumes, args.extents)
+    sweep = list(settings(extents, args.strides, args.aggregations, args.demean))
+    if not sweep:
+        parser.error("the filters leave no setting to measure")
+    rows = []
+    for count, setting in enumerate(sweep, 1):
+        row = measure(setting, phantoms, references, args)
+        rows.append(row)
+        log(f"[{count}/{len(sweep)}] {row['key']}: RMSE x{row['rmse_ratio_geomean']:.4f}, "
+            f"speed-up {row['speedup_min']:.2f}x")
+    winner, note = choose(rows)
+    winner_exp1 = measure({**winner["setting"], "estimator": "exp1"}, phantoms, references, args)
+    log(f"winner {winner['key']}; with exp1: RMSE x{winner_exp1['rmse_ratio_geomean']:.4f}")
+
+    current = {k: DEFAULTS.get(k, "auto") for k in KEYS}
+    current_row = next((r for r in rows if is_setting(r, current)), None)
+    report = dict(machine=machine, timing=timing_note(args.repeats, args.single_above),
+                  phantom_shape="x".join(map(str, shape)), volumes=volumes,
+                  phantoms=[p.summary() for p in phantoms], speedup_target=SPEEDUP_TARGET,
+                  references=references, rows=rows, winner=winner, winner_exp1=winner_exp1, note=note,
+                  current_defaults=current, current_row=current_row,
+                  load_average_at_end=list(os.getloadavg()))
+    report["recommendation"] = recommendation(report)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    details = "\n\n".join(f"Phantom {p.name}, every setting:\n\n" + phantom_detail_table(rows + [winner_exp1],
+                                                                                         p.name)
+                          for p in phantoms)
+    markdown = report_markdown(report, phantoms)
+    args.out.with_suffix(".md").write_text(markdown + "\n" + details + "\n")
+    log(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
