@@ -79,7 +79,13 @@ def user_errors(prog: str):
     except MemoryError:
         fail(prog, "not enough memory for this input on this machine")
     except KeyboardInterrupt:
-        fail(prog, "interrupted", 130)
+        say(f"{prog}: error: interrupted")
+        # Leave at once. An interrupt that lands while a C extension runs Python code of its own (importing
+        # torch does) marks it "unhandled" inside CPython, which then kills itself with SIGINT at shutdown,
+        # reporting -2 instead of 130 although the interrupt was handled here. Cleanup has already run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except _Terminated:
         fail(prog, "terminated", 143)
     finally:
