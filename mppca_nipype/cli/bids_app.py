@@ -20,7 +20,7 @@ import warnings
 
 from ..engine import DEFAULTS, DEVICES, MPPCAInputError, available_cpus
 from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
-from .common import fail, parse_extent, positive_int, say
+from .common import exit_interrupted, fail, parse_extent, positive_int, say
 
 PROG = "mppca-nipype"
 
@@ -125,7 +125,7 @@ def main(argv=None):
     except AppError as err:
         report_error(err, err.status)
     except KeyboardInterrupt:
-        report_error("interrupted", 130)
+        exit_interrupted(PROG)
     sys.exit(status)
 
 

@@ -47,6 +47,19 @@ def fail(prog: str, message, status: int = 1):
     sys.exit(status)
 
 
+def exit_interrupted(prog: str):
+    """Ctrl-C: print ``<prog>: error: interrupted`` and exit 130 at once (cleanup must have run already).
+
+    At once, because an interrupt that lands while a C extension runs Python code of its own (importing torch
+    does) is marked "unhandled" inside CPython, which then kills itself with SIGINT at shutdown and reports
+    -2 instead of 130, although the interrupt was handled here.
+    """
+    say(f"{prog}: error: interrupted")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (``<prog>: error: ... (see <prog> --help)``), exit 2."""
 
@@ -79,13 +92,7 @@ def user_errors(prog: str):
     except MemoryError:
         fail(prog, "not enough memory for this input on this machine")
     except KeyboardInterrupt:
-        say(f"{prog}: error: interrupted")
-        # Leave at once. An interrupt that lands while a C extension runs Python code of its own (importing
-        # torch does) marks it "unhandled" inside CPython, which then kills itself with SIGINT at shutdown,
-        # reporting -2 instead of 130 although the interrupt was handled here. Cleanup has already run.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        exit_interrupted(prog)
     except _Terminated:
         fail(prog, "terminated", 143)
     finally:
