@@ -100,7 +100,7 @@ def measure(setting, phantoms, references, args) -> dict:
         reference = references[phantom.name]
         entry["rmse_vs_dwidenoise"] = entry["rmse_mask"] / reference["rmse_mask"]
         entry["speedup_vs_dwidenoise"] = reference["seconds"] / entry["seconds"]
-        entry["eigh"] = info.get("eigh")
+        entry["engine"] = {k: v for k, v in info.items() if k in ("backend", "nprocs", "eigensolver")}
         per_phantom[phantom.name] = entry
     ratios = [e["rmse_vs_dwidenoise"] for e in per_phantom.values()]
     sigma_errors = [e["sigma_rms_rel"] for e in per_phantom.values() if e["sigma_rms_rel"] is not None]
