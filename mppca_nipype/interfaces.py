@@ -28,6 +28,7 @@ from nipype.utils.filemanip import fname_presuffix
 
 from .engine import DEFAULTS
 from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
+from .engine.patches import EXTENT_RULES
 
 LOGGER = logging.getLogger("nipype.interface")
 
@@ -63,10 +64,11 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
     in_file = File(exists=True, mandatory=True, desc="4D series to denoise (DWI or BOLD), NIfTI")
     mask = File(exists=True, desc="voxels to denoise (non-zero); outputs are 0 outside it")
     extent = traits.Either(
-        traits.Enum("auto"), traits.Int, traits.List(traits.Int, minlen=3, maxlen=3),
+        traits.Enum(*EXTENT_RULES), traits.Int, traits.List(traits.Int, minlen=3, maxlen=3),
         traits.Tuple(traits.Int, traits.Int, traits.Int),
         default=DEFAULTS["extent"], usedefault=True,
-        desc="patch size in voxels, odd: 'auto' (smallest odd e with e^3 >= volumes), one int or three")
+        desc="patch size in voxels, odd: 'auto' (smallest odd e with e^3 >= volumes, dwidenoise's rule), "
+             "'wide' (the same but at least 7), one int or three")
     stride = traits.Int(DEFAULTS["stride"], usedefault=True,
                         desc="patch grid step; 1 makes every voxel the centre of a patch (dwidenoise)")
     estimator = traits.Enum(*default_first("estimator", ESTIMATORS), usedefault=True,

@@ -8,7 +8,7 @@ import pytest
 
 from mppca_nipype.engine.errors import MPPCAWarning
 from mppca_nipype.engine.patches import (
-    auto_extent, centre_window, plan_patches, resolve_extent, window_positions)
+    auto_extent, centre_window, plan_patches, resolve_extent, wide_extent, window_positions)
 from reference import centred_corner, grid_corners, window_voxels
 
 
@@ -23,6 +23,12 @@ def test_auto_extent_is_the_smallest_odd_cube_holding_the_volumes():
                                              (343, 7), (1200, 11)])
 def test_auto_extent_known_values(n_volumes, want):
     assert auto_extent(n_volumes) == want
+
+
+@pytest.mark.parametrize("n_volumes, want", [(3, 7), (48, 7), (96, 7), (343, 7), (344, 9), (1000, 11)])
+def test_wide_extent_is_the_auto_rule_but_at_least_seven(n_volumes, want):
+    assert wide_extent(n_volumes) == want == max(7, auto_extent(n_volumes))
+    assert resolve_extent("wide", (64, 64, 40), n_volumes) == (want,) * 3
 
 
 def test_auto_extent_fits_the_image_with_odd_sizes():

@@ -87,7 +87,7 @@ def build_parser():
     select.add_argument("--skip-bids-validation", action="store_true",
                         help="do not check BIDS_DIR with the BIDS validator (bids-validator-deno)")
     denoising = parser.add_argument_group("denoising (as mppca-denoise)")
-    denoising.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|N|X,Y,Z",
+    denoising.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|wide|N|X,Y,Z",
                            help="patch size in voxels, odd (default: %(default)s)")
     denoising.add_argument("--stride", type=positive_int, default=DEFAULTS["stride"], metavar="S",
                            help="patch grid step; 1 centres a patch on every voxel (default: %(default)s)")

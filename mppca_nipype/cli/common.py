@@ -21,6 +21,7 @@ import time
 import warnings
 
 from ..engine.errors import MPPCAInputError, MPPCAWarning
+from ..engine.patches import EXTENT_RULES
 
 #: Whether the last thing written to stderr was a progress bar left without its newline.
 _bar_on_line = False
@@ -220,10 +221,12 @@ def staged_outputs(paths):
 # -- option types shared by the commands -------------------------------------------------------------
 
 def parse_extent(text: str):
-    """``auto``, ``N`` or ``X,Y,Z`` (odd positive integers) -> "auto", an int, or a tuple of three ints."""
-    if text == "auto":
-        return "auto"
-    problem = f"must be 'auto', an odd number N or three odd numbers X,Y,Z, not {text!r}"
+    """A rule name (``auto``, ``wide``), ``N`` or ``X,Y,Z`` (odd positive integers) -> the name, an int, or a
+    tuple of three ints."""
+    if text in EXTENT_RULES:
+        return text
+    problem = (f"must be {', '.join(map(repr, EXTENT_RULES))}, an odd number N or three odd numbers X,Y,Z, "
+               f"not {text!r}")
     try:
         values = tuple(int(part) for part in text.split(","))
     except ValueError:

@@ -60,9 +60,10 @@ def build_parser() -> ArgumentParser:
                         help="also write the 3D map of the estimated noise level (standard deviation)")
     parser.add_argument("--rank", metavar="FILE",
                         help="also write the 3D map of the number of signal components kept")
-    parser.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|N|X,Y,Z",
+    parser.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|wide|N|X,Y,Z",
                         help="patch size in voxels, odd; 'auto' is the smallest odd e with e^3 >= T, capped "
-                             "at the image size (dwidenoise's rule) (default: %(default)s)")
+                             "at the image size (dwidenoise's rule); 'wide' is the same but at least 7 "
+                             "(default: %(default)s)")
     parser.add_argument("--stride", type=positive_int, default=DEFAULTS["stride"], metavar="S",
                         help="1: every voxel is the centre of its own patch (dwidenoise); S > 1: patches "
                              "on a grid of step S plus one flush against each far edge, fewer patches and "

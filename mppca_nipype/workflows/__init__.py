@@ -36,6 +36,8 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
 
     if extent == "auto":
         size = "the smallest odd cube holding at least as many voxels as volumes"
+    elif extent == "wide":
+        size = "the smallest odd cube of at least 7x7x7 voxels holding at least as many voxels as volumes"
     elif isinstance(extent, int):
         size = f"{extent}x{extent}x{extent} voxels"
     else:
