@@ -179,7 +179,7 @@ def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estima
     if nprocs is not None and (isinstance(nprocs, bool) or int(nprocs) != nprocs or nprocs < 1):
         raise MPPCAInputError(f"nprocs must be a positive integer, not {nprocs!r}")
 
-    finite = np.isfinite(data).all(axis=3)
+    finite = _finite_voxels(data)
     n_nonfinite = int(np.count_nonzero(mask & ~finite))
     if n_nonfinite:
         warnings.warn(f"{n_nonfinite} voxels hold NaN or Inf; they are left out of every patch and left "
@@ -203,6 +203,17 @@ def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estima
                             n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
                             n_nonfinite_voxels=n_nonfinite))
     return result
+
+
+def _finite_voxels(data) -> np.ndarray:
+    """(X, Y, Z) bool: the voxels whose whole time course is finite.
+
+    One pass over the series when all of it is finite (the usual case: ``.all(axis=3)`` over a short last
+    axis costs 2.5 times the ``isfinite`` itself); voxel by voxel only when something is not.
+    """
+    if np.isfinite(data).all():
+        return np.ones(data.shape[:3], dtype=bool)
+    return np.isfinite(data).all(axis=3)
 
 
 def check_device(device: str) -> str:
@@ -249,7 +260,8 @@ class PatchSums:
 
     ``image`` (X*Y*Z, T), ``weight``, ``sigma``, ``rank`` (X*Y*Z,), all float64 (or float32 from the GPU).
     For ``center`` aggregation each voxel is served by exactly one patch with weight 1, so the sums are the
-    values themselves.
+    values themselves. ``normalized``: the backend has already divided ``image``, ``sigma`` and ``rank`` by
+    ``weight`` (0 where the weight is 0), e.g. on its device; ``weight`` still says which voxels were served.
     """
 
     image: np.ndarray
@@ -257,6 +269,7 @@ class PatchSums:
     sigma: np.ndarray
     rank: np.ndarray
     info: dict = field(default_factory=dict)
+    normalized: bool = False
 
 
 def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
@@ -266,11 +279,18 @@ def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
     """
     shape3 = data.shape[:3]
     served = (sums.weight > 0).reshape(shape3) & mask & finite
-    weight = np.where(served.ravel(), sums.weight, 1.0)
-    denoised = (sums.image / weight[:, None]).astype(np.float32).reshape(data.shape)
+    if sums.normalized:
+        denoised = np.asarray(sums.image, dtype=np.float32).reshape(data.shape)
+        sigma, rank = sums.sigma.reshape(shape3), sums.rank.reshape(shape3)
+    else:
+        weight = np.where(served.ravel(), sums.weight, 1.0)
+        # divided in the sums' precision and rounded once to float32, with no (V, T) temporary
+        denoised = np.empty(data.shape, dtype=np.float32)
+        np.divide(sums.image, weight[:, None], out=denoised.reshape(sums.image.shape), casting="unsafe")
+        sigma, rank = (sums.sigma / weight).reshape(shape3), (sums.rank / weight).reshape(shape3)
     denoised[~served] = 0
     keep_input = mask & ~finite
     denoised[keep_input] = data[keep_input]
-    sigma = np.where(served, (sums.sigma / weight).reshape(shape3), 0).astype(np.float32)
-    rank = np.where(served, (sums.rank / weight).reshape(shape3), 0).astype(np.float32)
+    sigma = np.where(served, sigma, 0).astype(np.float32)
+    rank = np.where(served, rank, 0).astype(np.float32)
     return DenoiseResult(denoised, sigma, rank, info={})
