@@ -9,7 +9,7 @@ Example
 -------
 >>> from nipype import Node
 >>> from mppca_nipype.interfaces import MPPCADenoise
->>> denoise = Node(MPPCADenoise(stride=1, aggregation="center", demean="none"), name="denoise")
+>>> denoise = Node(MPPCADenoise(extent="auto", stride=1, aggregation="center", demean="none"), name="denoise")
 """
 
 from __future__ import annotations

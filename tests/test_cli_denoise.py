@@ -21,7 +21,7 @@ import pytest
 
 from mppca_nipype import io as nifti_io
 from mppca_nipype.cli import denoise as cli
-from mppca_nipype.engine import MIN_VOLUMES, denoise
+from mppca_nipype.engine import DEFAULTS, MIN_VOLUMES, denoise
 from mppca_nipype.phantoms import low_rank_phantom
 
 SHAPE = (9, 8, 7)
@@ -210,8 +210,9 @@ def test_help_gives_dwidenoise_mode_and_the_defaults():
     result = run_cli("--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
-    assert "--stride 1 --aggregation center --demean none" in text
-    assert "(default: 2)" in text and "(default: weighted)" in text and "(default: voxel)" in text
+    assert "--extent auto --stride 1 --aggregation center --demean none" in text
+    for option in ("extent", "stride", "aggregation", "demean", "estimator"):
+        assert f"(default: {DEFAULTS[option]})" in text, option
 
 
 def test_version_is_the_package_version():

@@ -52,7 +52,7 @@ def test_interface_writes_what_the_engine_computes(series, tmp_path):
 
 def test_provenance_records_parameters_backend_versions_and_checksum(series, tmp_path):
     result = run_in(tmp_path / "node", MPPCADenoise(in_file=str(series), use_gpu=False, estimator="exp1",
-                                                     num_threads=1))
+                                                     extent="auto", stride=2, demean="voxel", num_threads=1))
     provenance = read_json(result.outputs.provenance_file)
     assert provenance["Parameters"] == dict(extent="auto", stride=2, estimator="exp1", aggregation="weighted",
                                             demean="voxel", use_gpu=False, num_threads=1)

@@ -33,9 +33,11 @@ IN and OUT are NIfTI files (.nii or .nii.gz); OUT is float32 with IN's affine
 and header."""
 
 EPILOG = """\
-MRtrix3 dwidenoise's mode is --stride 1 --aggregation center --demean none
-(with --estimator exp2, its default, or exp1). The defaults here (stride 2,
-weighted aggregation, voxel demeaning, exp2) were chosen by measurement.
+MRtrix3 dwidenoise's mode is --extent auto
+--stride 1 --aggregation center --demean none
+(with --estimator exp2, its default, or exp1). The defaults here (extent wide,
+stride 3, weighted aggregation, volume demeaning, exp2) were chosen by
+measurement (docs/benchmarks.md).
 
 exit status: 0 done; 1 the input cannot be denoised or an output cannot be
 written; 2 the command line is wrong; 130 interrupted (Ctrl-C); 143 terminated

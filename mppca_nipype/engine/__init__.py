@@ -26,7 +26,7 @@ __all__ = ["denoise", "DenoiseResult", "DenoiseOptions", "MPPCAInputError", "MPP
 MIN_VOLUMES = 3
 
 #: The defaults, chosen by measurement (docs/benchmarks.md, "Choosing the defaults").
-DEFAULTS = dict(extent="auto", stride=2, estimator="exp2", aggregation="weighted", demean="voxel")
+DEFAULTS = dict(extent="wide", stride=3, estimator="exp2", aggregation="weighted", demean="volume")
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -127,7 +127,8 @@ def check_data(data, mask):
     return np.ascontiguousarray(data, dtype=np.float32), mask
 
 
-def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
+def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
+            estimator=DEFAULTS["estimator"],
             aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], device="auto", nprocs=None,
             progress=None) -> DenoiseResult:
     """Denoise a 4D series by Marchenko-Pastur PCA (MP-PCA).
@@ -142,8 +143,9 @@ def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estima
         The series (any real dtype; computed in float32 on the GPU, float64 on the CPU).
     mask : (X, Y, Z) array, optional
         Voxels to denoise (non-zero). Patches may still read voxels outside it; outputs there are 0.
-    extent : "auto", int or three ints
-        Patch size, odd. "auto": the smallest odd e with e^3 >= T, capped at the image size.
+    extent : "wide", "auto", int or three ints
+        Patch size, odd. "auto": the smallest odd e with e^3 >= T (dwidenoise's rule); "wide": the same but
+        at least 7; both capped at the image size.
     stride : int
         1: every voxel is the centre of its own patch (dwidenoise). s > 1: patches on a grid of step s,
         plus one flush against each far edge.
@@ -170,8 +172,9 @@ def denoise(data, mask=None, *, extent="auto", stride=DEFAULTS["stride"], estima
     DenoiseResult
         ``denoised`` (float32, same shape), ``sigma`` and ``rank`` maps, and ``info``.
 
-    The defaults (stride 2, weighted, voxel demeaning, exp2) were chosen by measurement; dwidenoise's
-    mode is ``stride=1, aggregation="center", demean="none"``.
+    The defaults (extent "wide", stride 3, weighted, volume demeaning, exp2) were chosen by measurement
+    (docs/benchmarks.md, "Choosing the defaults"); dwidenoise's mode is
+    ``extent="auto", stride=1, aggregation="center", demean="none"``.
     """
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
