@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+import importlib.util
 import multiprocessing
 from multiprocessing import shared_memory
 import os
@@ -30,26 +31,28 @@ from .estimators import aggregation_weights, marchenko_pastur_threshold, signal_
 #: Memory one batch may use for its patch matrices (float64), per process.
 BATCH_BYTES = 48 * 2**20
 
-#: Below this many windows a run is too short to pay for importing torch in every worker.
-TORCH_EIGH_MIN_WINDOWS = 2000
+#: Importing torch costs 1.5-3 s; its eigensolver saves about 230 us per 48 x 48 matrix (less for smaller,
+#: more for larger: ~m^3). Below this much work (windows x m^3), NumPy's is faster overall.
+TORCH_EIGH_MIN_WORK = 20_000 * 48**3
 
 
-def eigh_provider(n_windows: int) -> str:
-    """Which LAPACK runs the batched eigensolver: "torch" (its bundled MKL) when torch is installed and the
-    run is large enough, else "numpy" (OpenBLAS).
+def eigh_provider(n_windows: int, matrix_size: int) -> str:
+    """Which LAPACK runs the batched eigensolver: "torch" (its bundled MKL) or "numpy" (OpenBLAS).
 
     Both compute the same float64 decomposition; MKL's dsyevd is about twice as fast as OpenBLAS's on the
     48 x 48 matrices of a typical DWI patch (215 vs 445 us each, measured on this project's CI machine),
-    which decides whether dwidenoise's mode keeps pace with dwidenoise itself. ``MPPCA_CPU_EIGH=numpy``
-    forces NumPy.
+    which decides whether dwidenoise's mode keeps pace with dwidenoise itself. torch is used when it is
+    already imported, or installed and the run is large enough to pay for importing it.
+    ``MPPCA_CPU_EIGH=numpy`` (or ``torch``) forces the choice.
     """
-    if os.environ.get("MPPCA_CPU_EIGH", "") == "numpy" or n_windows < TORCH_EIGH_MIN_WINDOWS:
-        return "numpy"
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return "numpy"
-    return "torch"
+    forced = os.environ.get("MPPCA_CPU_EIGH", "")
+    if forced in ("numpy", "torch"):
+        return forced
+    if "torch" in sys.modules:
+        return "torch"
+    if n_windows * matrix_size**3 >= TORCH_EIGH_MIN_WORK and importlib.util.find_spec("torch") is not None:
+        return "torch"
+    return "numpy"
 
 
 def batched_eigh(gram, provider: str):
@@ -155,7 +158,10 @@ def fit_windows(volume, finite, plan, options, windows: slice, eigh: str = "nump
         n_volumes -= 1
     elif options.demean == "volume":  # the patch's mean time course: one less along the voxels
         means = patches.sum(axis=1, keepdims=True) / np.maximum(n_voxels, 1)[:, None, None]
-        patches -= means * took_part[:, :, None]  # left-out voxels stay rows of zeros
+        if took_part.all():
+            patches -= means
+        else:
+            patches -= means * took_part[:, :, None]  # left-out voxels stay rows of zeros
         n_voxels = n_voxels - 1
     time_side = plan.patch_size >= patches.shape[2]
     if time_side:
@@ -190,6 +196,8 @@ def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):
     slab_start = unit.x0 * plane
     slab_voxels = plan.extent[0] * plane
     image = np.zeros((slab_voxels, n_volumes), dtype=np.float32)
+    ex, ey, ez = plan.extent
+    slab = image.reshape(ex, *plan.spatial_shape[1:], n_volumes)
     weight = np.zeros(slab_voxels)
     sigma = np.zeros(slab_voxels)
     rank = np.zeros(slab_voxels)
@@ -199,12 +207,12 @@ def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):
         restored = fit.reconstruct()
         w = aggregation_weights(fit.rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
         voxel_weight = w[:, None] * fit.took_part  # (B, n): left-out voxels receive nothing
-        local = fit.voxels - slab_start
         restored *= voxel_weight[:, :, None]
-        # distinct windows put distinct voxels at the same offset: no collisions within one offset
-        for offset in range(local.shape[1]):
-            image[local[:, offset]] += restored[:, offset]
-        flat = local.ravel()
+        # each window adds its block into the slab: one slice per window, windows in plan order
+        block = (ex, ey, ez, n_volumes)
+        for b, (_, y0, z0) in enumerate(plan.window_corner[start:stop]):
+            slab[:, y0:y0 + ey, z0:z0 + ez] += restored[b].reshape(block)
+        flat = (fit.voxels - slab_start).ravel()
         weight += np.bincount(flat, voxel_weight.ravel(), slab_voxels)
         sigma += np.bincount(flat, (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), slab_voxels)
         rank += np.bincount(flat, (voxel_weight * fit.rank[:, None]).ravel(), slab_voxels)
@@ -280,7 +288,7 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     finite_flat = finite.reshape(n_voxels)
     units = work_units(plan)
     nprocs = min(nprocs or available_cpus(), max(len(units), 1))
-    eigh = eigh_provider(plan.n_windows)
+    eigh = eigh_provider(plan.n_windows, min(plan.patch_size, n_volumes))
 
     center = options.aggregation == "center"
     image = np.zeros((n_voxels, n_volumes), dtype=np.float32)
