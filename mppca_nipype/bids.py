@@ -18,6 +18,9 @@ or ``bold``) the derivative dataset holds, in the same sub-/ses-/datatype folder
     derivative's ``.bidsignore`` lists them (``BIDSIGNORE`` below), with ``logs/``.
 ``logs/CITATION.md``
     The methods boilerplate with its references.
+``sub-<label>/figures/<entities>_desc-<kind>_<suffix>.png`` and ``sub-<label>.html`` (unless --no-reports)
+    The QC figures of each run (kinds: ``reports.FIGURES``) and one report page per subject, as fMRIPrep
+    lays them out. Not BIDS files: ``.bidsignore`` lists them.
 """
 
 from __future__ import annotations
@@ -54,10 +57,11 @@ MAPS = {
 }
 DENOISED_DESC = "denoised"
 
-#: What the derivative's .bidsignore lists: the noise/rank maps (no BIDS suffix exists for them) and logs.
-#: (bids-validator-deno 3.0 fails to match globs with a wildcard between fixed parts, such as
-#: ``*_desc-noise_*map.*``; a leading and a trailing wildcard work.)
-BIDSIGNORE = ("*_desc-noise_*", "*_desc-rank_*", "logs/")
+#: What the derivative's .bidsignore lists: the noise/rank maps (no BIDS suffix exists for them), logs and the
+#: QC reports. (bids-validator-deno 3.0 fails to match globs with a wildcard between fixed parts, such as
+#: ``*_desc-noise_*map.*``; a leading and a trailing wildcard work. It reports the folder ``sub-01/figures/``
+#: itself unless the entry names it without a trailing slash.)
+BIDSIGNORE = ("*_desc-noise_*", "*_desc-rank_*", "logs/", "sub-*/figures", "sub-*.html")
 
 #: Packages whose versions every provenance block records.
 VERSIONED_PACKAGES = ("mppca-nipype", "numpy", "torch", "triton", "nvmath-python", "nipype", "pybids",
@@ -211,6 +215,23 @@ def derivative_names(source_relpath) -> dict:
         names["bval"] = name(None, suffix) + ".bval"
         names["bvec"] = name(None, suffix) + ".bvec"
     return names
+
+
+def report_names(source_relpath) -> dict:
+    """Paths, relative to OUTPUT_DIR, of the QC figures of the raw run at ``source_relpath``:
+    {kind: ``sub-<label>/figures/<entities>_desc-<kind>_<suffix>.png``} for each kind of ``reports.FIGURES``.
+    """
+    from .reports import FIGURES
+
+    source = PurePosixPath(source_relpath)
+    entities, suffix, _ = split_name(source.name)
+    folder = PurePosixPath(source.parts[0]) / "figures"
+    return {kind: str(folder / "_".join([*entities, f"desc-{kind}", f"{suffix}.png"])) for kind in FIGURES}
+
+
+def subject_report_name(subject) -> str:
+    """The report page of a subject, relative to OUTPUT_DIR: ``sub-<label>.html``."""
+    return f"sub-{subject}.html"
 
 
 def raw_uri(relpath) -> str:
@@ -402,6 +423,8 @@ Each DWI and BOLD run of the source dataset, denoised by Marchenko-Pastur PCA:
 - `*_desc-noise_<dwi|bold>map.nii.gz`, `*_desc-rank_<dwi|bold>map.nii.gz`: noise standard deviation and
   number of signal components (BIDS has no suffix for these; listed in `.bidsignore`).
 - `logs/CITATION.md`: a methods paragraph with references.
+- `sub-<label>.html` and `sub-<label>/figures/`: a QC report per subject (input, denoised and residual
+  slices, noise and rank maps, residual histogram, eigenvalue spectra); listed in `.bidsignore`.
 """
 
 
@@ -418,6 +441,7 @@ class _DerivativesSinkInputSpec(BaseInterfaceInputSpec):
                              "provenance block MPPCADenoising")
     bval = File(exists=True, desc="DWI b-values")
     bvec = File(exists=True, desc="DWI gradient directions")
+    figures = traits.List(File(exists=True), desc="QC figures named <kind>.png (reports.RunReport)")
 
 
 class _DerivativesSinkOutputSpec(TraitedSpec):
@@ -460,6 +484,10 @@ class DerivativesSink(SimpleInterface):
         if "bval" in names and isdefined(self.inputs.bval) and isdefined(self.inputs.bvec):
             copy_atomic(self.inputs.bval, target("bval"))
             copy_atomic(self.inputs.bvec, target("bvec"))
+        if isdefined(self.inputs.figures):  # QC figures <kind>.png from reports.RunReport
+            names.update(report_names(self.inputs.source_file))
+            for figure in self.inputs.figures:
+                copy_atomic(figure, target(Path(figure).stem))
         self._results.update(out_file=written[0], out_files=written)
         return runtime
 

@@ -99,6 +99,9 @@ def build_parser():
     denoising.add_argument("--demean", choices=DEMEANING, default=DEFAULTS["demean"],
                            help="remove each voxel's temporal mean in a patch before PCA "
                                 "(default: %(default)s)")
+    parser.add_argument("--reports", action=argparse.BooleanOptionalAction, default=True,
+                        help="write a QC report per subject (sub-<label>.html, figures under "
+                             "sub-<label>/figures/) (default: on)")
     execution = parser.add_argument_group("execution")
     execution.add_argument("-w", "--work-dir", metavar="DIR",
                            help="Nipype's working directory and the pybids index, reused by reruns "
@@ -320,6 +323,13 @@ def run(args) -> int:
 
     failed = execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note)
     _report_runs(todo, output_dir, note)
+    if args.reports:
+        from ..reports import write_subject_report
+
+        for subject in sorted({run_.entities["subject"] for run_ in todo}):
+            page = write_subject_report(output_dir, subject)
+            if page is not None:
+                note(f"QC report: {page}")
     if failed:
         raise AppError(f"{len(failed)} of {len(todo)} runs failed ({', '.join(failed)}); crash reports are "
                        f"in {output_dir / 'logs'}", EXIT["failure"])
@@ -353,7 +363,7 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
 
     workflow = init_bids_wf(todo, bids_dir=bids_dir, output_dir=output_dir, extent=args.extent,
                             stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
-                            demean=args.demean, use_gpu=use_gpu, num_threads=nprocs)
+                            demean=args.demean, use_gpu=use_gpu, num_threads=nprocs, reports=args.reports)
     workflow.base_dir = str(work_dir)
     try:
         write_dataset_files(output_dir, bids_dir, citation_text(workflow))

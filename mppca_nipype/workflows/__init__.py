@@ -118,7 +118,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
 def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEFAULTS["extent"],
                  stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], use_gpu=None,
-                 num_threads=1):
+                 num_threads=1, reports=True):
     """Denoise the given BIDS runs and write them as derivatives of ``bids_dir`` into ``output_dir``.
 
     Parameters
@@ -127,6 +127,9 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
         From :func:`mppca_nipype.bids.query_runs` (runs with ``skip`` set are left out).
     bids_dir, output_dir : path
         The raw dataset (only read) and the derivative dataset.
+    reports : bool
+        Also make each run's QC figures (:class:`mppca_nipype.reports.RunReport`); the sink writes them under
+        ``sub-<label>/figures/`` (the subject pages come from :func:`mppca_nipype.reports.write_subject_report`).
     other parameters
         As for :func:`init_mppca_wf`; applied to every run.
 
@@ -134,6 +137,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     :class:`mppca_nipype.bids.DerivativesSink` node.
     """
     from ..bids import DerivativesSink
+    from ..reports import RunReport
 
     workflow = pe.Workflow(name=name)
     todo = [run for run in runs if run.skip is None]
@@ -157,6 +161,13 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
         workflow.connect([(run_wf, sink, [("outputnode.denoised", "in_file"), ("outputnode.noise", "noise_file"),
                                           ("outputnode.rank", "rank_file"),
                                           ("outputnode.provenance", "sidecar_file")])])
+        if reports:
+            report = pe.Node(RunReport(in_file=str(run.path), title=run.name), name=f"report_{run.node_name}")
+            workflow.connect([
+                (run_wf, report, [("outputnode.denoised", "denoised_file"), ("outputnode.noise", "noise_file"),
+                                  ("outputnode.rank", "rank_file"), ("outputnode.provenance", "provenance_file")]),
+                (report, sink, [("figures", "figures")]),
+            ])
     return workflow
 
 
