@@ -11,6 +11,14 @@
 (c) defaults on a DWI-like (T = 300) and an fMRI-like (T = 1000) phantom, GPU and our CPU path on this
     machine's cores; ``--full`` runs the issue's full sizes (96x96x60x300, 64x64x40x1000), else crops of them.
 (d) peak GPU memory of each.
+(v) demean "volume" (the patch's mean time course) in the default call ``denoise(noisy, device="cuda")``
+    (the package's defaults) on the seed's problem and on the DWI-like crop, against our CPU path with the
+    same options; the backend alone (float32 alone, and with its float64 settling pass) and the whole call,
+    each next to the same with voxel demeaning; the fused Gram kernel alone for both.
+(s) the CPU path's scaling on this machine (no GPU): ``nproc``, the cgroup's CPU quota and affinity, and
+    ``denoise(low_rank_phantom((64, 64, 40), 48)[0], device="cpu", nprocs=k)`` for k = 1, 4, 16 in fresh
+    processes (and k = 16 after CUDA was initialised, as inside this suite), with the cgroup's CPU time and
+    throttling; next to a control that runs the same NumPy work in k processes without our code.
 
 Every time is host to host (NumPy in, NumPy out), best of 5 after a warm-up; errors are relative rms
 differences of the denoised series from a float64 reference (our CPU path) and RMSE to the ground truth.
@@ -24,11 +32,12 @@ import os
 import platform
 import subprocess
 import time
+import traceback
 
 import numpy as np
 import torch
 
-from mppca_nipype.engine import check_data, denoise, plan_patches, resolve_options
+from mppca_nipype.engine import DEFAULTS, check_data, denoise, plan_patches, resolve_options
 from mppca_nipype.engine.cpu import denoise_cpu
 from mppca_nipype.engine.estimators import aggregation_weights, marchenko_pastur_threshold, signal_projector
 from mppca_nipype.engine.gpu import usable
@@ -37,6 +46,7 @@ from mppca_nipype.engine.gpu.pipeline import denoise_gpu
 from mppca_nipype.phantoms import dwi_phantom, low_rank_phantom
 
 SEED_OPTIONS = dict(extent=11, stride=3, estimator="exp2", aggregation="weighted", demean="voxel")
+VOLUME_OPTIONS = dict(DEFAULTS)  # the package's defaults: volume demeaning
 DWIDENOISE_OPTIONS = dict(extent=5, stride=1, estimator="exp2", aggregation="center", demean="none")
 DEFAULT_OPTIONS = dict(extent="auto", stride=2, estimator="exp2", aggregation="weighted", demean="voxel")
 
@@ -51,8 +61,8 @@ def prepare(noisy, options):
 
 
 def finish(sums, shape):
-    """Denoised series and rank map from a backend's sums."""
-    weight = np.where(sums.weight > 0, sums.weight, 1)
+    """Denoised series and rank map from a backend's sums (already divided when ``sums.normalized``)."""
+    weight = np.ones_like(sums.weight) if sums.normalized else np.where(sums.weight > 0, sums.weight, 1)
     return ((sums.image / weight[:, None]).reshape(shape).astype(np.float32),
             (sums.rank / weight).reshape(shape[:3]))
 
@@ -239,6 +249,173 @@ def defaults(rows, full):
         print(rows[-1], flush=True)
 
 
+def gram_kernel_alone(noisy, options):
+    """The fused Gram kernel alone on every window of the plan, per demeaning (ms, best of 10)."""
+    from mppca_nipype.engine.gpu import kernels
+
+    data, finite, plan, _ = prepare(noisy, options)
+    volume = torch.from_numpy(data.reshape(-1, data.shape[3])).cuda()
+    finite = torch.from_numpy(finite.ravel().astype(np.float32)).cuda()
+    base = torch.from_numpy(plan.window_base()).cuda()
+    offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).cuda()
+    times = {}
+    for demean in ("voxel", "volume"):
+        seconds, _, _ = best_of(lambda: kernels.gram(volume, finite, base, offsets, demean=demean), repeats=10)
+        times[demean] = seconds * 1e3
+    return dict(n_windows=plan.n_windows, patch=plan.patch_size, **times)
+
+
+def volume_demeaning(rows):
+    """(v): the default-style call with demean "volume" vs "voxel", seed problem and DWI-like crop; the
+    fused Gram kernel alone for both; returns the kernel times."""
+    seed, seed_truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    kernel_ms = {f"extent {options['extent']}, stride {options['stride']}": gram_kernel_alone(seed, options)
+                 for options in (VOLUME_OPTIONS, SEED_OPTIONS)}
+    print("(v) fused Gram kernel alone (ms):", kernel_ms, flush=True)
+    dwi, dwi_truth, _, _ = dwi_phantom((40, 40, 24), n_volumes=300, sigma=20.0, seed=2)
+    defaults = f"defaults (extent {DEFAULTS['extent']}, stride {DEFAULTS['stride']})"
+    for problem, noisy, truth, repeats in ((f"seed 96x96x48x48, {defaults}", seed, seed_truth, 5),
+                                           (f"DWI-like crop 40x40x24x300, {defaults}", dwi, dwi_truth, 3)):
+        data, finite, plan, options = prepare(noisy, VOLUME_OPTIONS)
+        print(f"(v) {problem}: {plan.n_windows} windows of {plan.patch_size} x {data.shape[3]}", flush=True)
+        started = time.perf_counter()
+        reference, reference_rank = finish(denoise_cpu(data, finite, plan, options), data.shape)
+        rows.append(dict(problem=problem, variant=f"volume: our CPU path, {os.cpu_count()} processes",
+                         ms=(time.perf_counter() - started) * 1e3, **errors(reference, reference, truth),
+                         peak_gib=0.0, n_windows=plan.n_windows))
+        for demean, settle in (("volume", False), ("volume", True), ("voxel", True)):
+            options = resolve_options(data.shape, **dict(VOLUME_OPTIONS, demean=demean))
+            seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, settle=settle),
+                                          repeats=repeats)
+            denoised, rank = finish(sums, data.shape)
+            row = dict(problem=problem, variant=f"{demean}: denoise_gpu ({sums.info['gram_path']} Gram"
+                       + (", float32 alone)" if not settle else
+                          f", {sums.info['n_settled_in_float64']} windows settled in float64)"),
+                       ms=seconds * 1e3, peak_gib=peak / 2**30, batch=sums.info["batch"],
+                       gram_precision=sums.info["gram_precision"], rel_to_float64=None, rmse_to_truth=None,
+                       n_settled_in_float64=sums.info["n_settled_in_float64"])
+            if demean == "volume":
+                row.update(errors(denoised, reference, truth),
+                           rank_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3)))
+            rows.append(row)
+            print(rows[-1], flush=True)
+            if not settle:
+                continue
+            seconds, result, peak = best_of(lambda: denoise(noisy, device="cuda", demean=demean), repeats=repeats)
+            row = dict(problem=problem, variant=f'{demean}: denoise(noisy, device="cuda", demean="{demean}"), '
+                       "whole call", ms=seconds * 1e3, peak_gib=peak / 2**30,
+                       backend_ms=result.info["seconds_engine"] * 1e3, rel_to_float64=None, rmse_to_truth=None)
+            if demean == "volume":
+                row.update(errors(result.denoised, reference, truth))
+            rows.append(row)
+            print(rows[-1], flush=True)
+    # the seed's own options (11^3, stride 3, voxel): the backend and the whole call, to set against (a)
+    data, finite, plan, options = prepare(seed, SEED_OPTIONS)
+    seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options))
+    rows.append(dict(problem="seed", variant=f"ours: denoise_gpu, {sums.info['n_settled_in_float64']} windows "
+                     "settled in float64", ms=seconds * 1e3, peak_gib=peak / 2**30, rel_to_float64=None,
+                     rmse_to_truth=None))
+    seconds, result, peak = best_of(lambda: denoise(seed, device="cuda", **SEED_OPTIONS))
+    rows.append(dict(problem="seed", variant="ours: denoise(device='cuda'), whole call", ms=seconds * 1e3,
+                     peak_gib=peak / 2**30, backend_ms=result.info["seconds_engine"] * 1e3, rel_to_float64=None,
+                     rmse_to_truth=None))
+    print(rows[-2:], flush=True)
+    return kernel_ms
+
+
+_CPU_RUN = """
+import json, os, sys, time
+if sys.argv[2] == "cuda":
+    import torch
+    torch.cuda.init()
+import mppca_nipype
+from mppca_nipype.engine.cpu import _process_context
+from mppca_nipype.phantoms import low_rank_phantom
+noisy = low_rank_phantom((64, 64, 40), 48)[0]
+k = int(sys.argv[1])
+def usage():
+    try:
+        with open("/sys/fs/cgroup/cpu.stat") as f:
+            return {a: int(b) for a, b in (line.split() for line in f)}
+    except OSError:
+        return {}
+before, times, started = usage(), os.times(), time.perf_counter()
+result = mppca_nipype.denoise(noisy, device="cpu", nprocs=k)
+wall, after, times_after = time.perf_counter() - started, usage(), os.times()
+delta = {key: after[key] - before.get(key, 0) for key in after}
+print(json.dumps(dict(nprocs=result.info["nprocs"], wall_s=wall, start_method=_process_context().get_start_method(),
+                      eigensolver=result.info["eigensolver"], n_windows=result.info["n_windows"],
+                      parent_cpu_s=times_after.user - times.user + times_after.system - times.system,
+                      cgroup_cpu_s=delta.get("usage_usec", 0) / 1e6, nr_throttled=delta.get("nr_throttled"),
+                      throttled_s=delta.get("throttled_usec", 0) / 1e6)))
+"""
+
+_CONTROL_RUN = """
+import json, multiprocessing, sys, time
+import numpy as np
+from threadpoolctl import threadpool_limits
+def work(_):
+    with threadpool_limits(1):
+        a = np.random.default_rng(0).standard_normal((400, 48, 60))
+        g = a @ a.transpose(0, 2, 1)
+        started = time.perf_counter()
+        for _ in range(12):
+            np.linalg.eigh(g)
+        return time.perf_counter() - started
+k = int(sys.argv[1])
+with multiprocessing.get_context("fork").Pool(k) as pool:
+    started = time.perf_counter()
+    each = pool.map(work, range(k))
+    print(json.dumps(dict(processes=k, wall_s=time.perf_counter() - started, per_process_s=max(each))))
+"""
+
+
+def cpu_scaling():
+    """(s): why the CPU path did (not) scale here: the machine's quota, or our code."""
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    machine = dict(nproc=subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip(),
+                   cpu_count=os.cpu_count(), affinity=len(os.sched_getaffinity(0)),
+                   cgroup_cpu_max=read("/sys/fs/cgroup/cpu.max"),
+                   cgroup_cpuset=read("/sys/fs/cgroup/cpuset.cpus.effective"), load_average=os.getloadavg())
+    print("(s) machine:", machine, flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    runs, control = [], []
+    for k, context in ((1, "plain"), (4, "plain"), (16, "plain"), (16, "cuda")):
+        child = subprocess.run(["python3", "-c", _CPU_RUN, str(k), context], capture_output=True, text=True,
+                               env=env, timeout=300)
+        line = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else child.stderr[-500:]
+        runs.append(dict(context=context, **json.loads(line)) if line.startswith("{") else dict(k=k, error=line))
+        print("(s) ours:", runs[-1], flush=True)
+    for k in (1, 4, 16):
+        child = subprocess.run(["python3", "-c", _CONTROL_RUN, str(k)], capture_output=True, text=True,
+                               env=env, timeout=300)
+        line = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else child.stderr[-500:]
+        control.append(json.loads(line) if line.startswith("{") else dict(k=k, error=line))
+        print("(s) control:", control[-1], flush=True)
+    return dict(machine=machine, ours=runs, control=control)
+
+
+def scaling_table(scaling):
+    lines = ["| CPU path, 64x64x40x48 defaults | processes | wall (s) | cgroup CPU (s) | throttled (s) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for r in scaling["ours"]:
+        if "error" in r:
+            lines.append(f"| ours | {r.get('k')} | error: {r['error'].strip().splitlines()[-1][:80]} | | |")
+            continue
+        lines.append(f"| ours ({r['start_method']}{', CUDA initialised' if r['context'] == 'cuda' else ''}) | "
+                     f"{r['nprocs']} | {r['wall_s']:.2f} | {r['cgroup_cpu_s']:.1f} | {r['throttled_s']:.2f} |")
+    for r in scaling["control"]:
+        if "error" not in r:
+            lines.append(f"| control: same NumPy work per process | {r['processes']} | {r['wall_s']:.2f} | | |")
+    return "\n".join(lines)
+
+
 def table(rows):
     lines = ["| problem | variant | time (ms) | rel. to float64 | RMSE to truth | peak GPU (GiB) |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -254,27 +431,42 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
-    parser.add_argument("--only", default="abcde", help="which parts to run: any of a, b, c, e")
+    parser.add_argument("--only", default="abcdev", help="which parts to run: any of a, b, c, e, v, s")
     args = parser.parse_args()
     reason = usable()
     if reason is not None:
         raise SystemExit(f"the GPU engine cannot run here: {reason}")
-    report = dict(hardware=hardware(), rows=[])
+    report = dict(rows=[])
+    if "s" in args.only:  # first, before this process touches the GPU
+        report["cpu_scaling"] = cpu_scaling()
+    report["hardware"] = hardware()
     print(report["hardware"], flush=True)
     rows = report["rows"]
-    if "e" in args.only:
-        report["xsyev_batched_alone_ms_12600x48"] = eigensolver_alone()
-        print("XsyevBatched alone:", report["xsyev_batched_alone_ms_12600x48"], flush=True)
-        report["eigensolver_ms_per_matrix"] = eigensolvers_on_large_matrices()
-    if "a" in args.only:
-        seed_ladder(rows, args.skip_torch_eigh)
-    if "b" in args.only:
-        dwidenoise_mode(rows)
-    if "c" in args.only:
-        defaults(rows, args.full)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_suite.json"), "w") as f:
-        json.dump(report, f, indent=1)
+
+    def part(letter, run, key=None):
+        """Run one part; a failure is reported and the others still run; the JSON is rewritten after each."""
+        if letter not in args.only:
+            return
+        try:
+            result = run()
+            if key:
+                report[key] = result
+        except Exception:
+            report.setdefault("errors", {})[letter] = traceback.format_exc()
+            print(f"part {letter} failed:", report["errors"][letter], flush=True)
+        with open(os.path.join(args.out, "gpu_suite.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+    part("e", eigensolver_alone, "xsyev_batched_alone_ms_12600x48")
+    part("e", eigensolvers_on_large_matrices, "eigensolver_ms_per_matrix")
+    part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
+    part("b", lambda: dwidenoise_mode(rows))
+    part("c", lambda: defaults(rows, args.full))
+    part("v", lambda: volume_demeaning(rows), "gram_kernel_ms")
+    if "cpu_scaling" in report:
+        print(report["cpu_scaling"]["machine"])
+        print(scaling_table(report["cpu_scaling"]))
     print(table(rows))
 
 

@@ -71,12 +71,24 @@ def as_tensors(*arrays):
     return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
-def centred(patches, demean):
-    return patches - patches.mean(axis=2, keepdims=True) if demean else patches
+def centred(patches, took, demean):
+    """The float64 reference of the kernels' centring: (B, n, T) patches, (B, n) voxels taking part.
+
+    ``voxel``: each row minus its mean; ``volume``: the finite rows minus their mean row, left-out rows
+    zero (as ``cpu.fit_windows``); returns the centred patches and the means that were removed.
+    """
+    if demean == "voxel":
+        means = patches.mean(axis=2, keepdims=True)
+        return patches - means, means
+    if demean == "volume":
+        took = took[:, :, None].astype(np.float64)
+        means = (patches * took).sum(axis=1, keepdims=True) / np.maximum(took.sum(axis=1, keepdims=True), 1)
+        return (patches - means) * took, means
+    return patches, 0
 
 
 @interpreted
-@pytest.mark.parametrize("demean", [True, False])
+@pytest.mark.parametrize("demean", ["none", "voxel", "volume"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n_volumes, n_voxels", [(13, 37), (20, 20), (3, 70)])
 def test_gram_kernel_matches_float64_reference(kernels, demean, dtype, n_volumes, n_voxels):
@@ -85,19 +97,42 @@ def test_gram_kernel_matches_float64_reference(kernels, demean, dtype, n_volumes
     volume = (1000 + 30 * rng.standard_normal((n_rows, n_volumes))).astype(np.float32)
     finite = (rng.random(n_rows) > 0.1).astype(np.float32)
     base, offsets = random_windows(rng, n_rows, 7, n_voxels)
-    gram, n_took_part = kernels.gram(*as_tensors(volume, finite, base, offsets), demean=demean,
-                                     dtype=getattr(torch, dtype))
+    gram, n_took_part, volume_mean = kernels.gram(*as_tensors(volume, finite, base, offsets), demean=demean,
+                                                  dtype=getattr(torch, dtype))
     voxels = base[:, None] + offsets[None, :]
-    patches = centred(volume[voxels].astype(np.float64), demean)
+    patches, means = centred(volume[voxels].astype(np.float64), finite[voxels], demean)
     expected = patches.transpose(0, 2, 1) @ patches
     tolerance = 1e-5 if dtype == "float32" else 1e-12
     assert gram.dtype == getattr(torch, dtype)
     assert np.linalg.norm(gram.numpy() - expected) / np.linalg.norm(expected) < tolerance
     np.testing.assert_array_equal(n_took_part.numpy(), finite[voxels].sum(axis=1))
+    if demean == "volume":
+        np.testing.assert_allclose(volume_mean.numpy(), means[:, 0], rtol=1e-6)
+    else:
+        assert volume_mean is None
 
 
 @interpreted
-@pytest.mark.parametrize("demean", [True, False])
+def test_volume_centring_keeps_float32_gram_exact_on_a_large_baseline(kernels):
+    """Noise of 1 on a baseline of 1000: X^T X - n mu mu^T in float32 would be wrong by ~10%; centring
+    before accumulating keeps the Gram within 1e-5 of float64 (and the noise eigenvalues within 1e-4)."""
+    rng = np.random.default_rng(11)
+    n_rows, n_volumes, n_voxels = 2000, 48, 343
+    volume = (1000 + rng.standard_normal((n_rows, n_volumes))).astype(np.float32)
+    finite = np.ones(n_rows, np.float32)
+    base, offsets = random_windows(rng, n_rows, 5, n_voxels)
+    gram, _, _ = kernels.gram(*as_tensors(volume, finite, base, offsets), demean="volume")
+    voxels = base[:, None] + offsets[None, :]
+    patches, _ = centred(volume[voxels].astype(np.float64), finite[voxels], "volume")
+    expected = patches.transpose(0, 2, 1) @ patches
+    assert np.linalg.norm(gram.numpy() - expected) / np.linalg.norm(expected) < 1e-5
+    values = np.linalg.eigvalsh(gram.numpy().astype(np.float64))
+    want = np.linalg.eigvalsh(expected)
+    assert np.abs(values - want).max() / want.max() < 1e-4
+
+
+@interpreted
+@pytest.mark.parametrize("demean", ["none", "voxel", "volume"])
 @pytest.mark.parametrize("n_volumes, n_voxels", [(13, 37), (33, 40)])
 def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_volumes, n_voxels):
     rng = np.random.default_rng(n_volumes)
@@ -110,13 +145,18 @@ def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_vol
     patch_weight[3] = 0  # a window left to the CPU adds nothing
     patch_sigma = rng.uniform(1, 5, n_windows).astype(np.float32)
     patch_rank = rng.integers(0, 5, n_windows).astype(np.float32)
+    volume_mean = (100 + rng.standard_normal((n_windows, n_volumes))).astype(np.float32)
     outputs = as_tensors(np.zeros((n_rows, n_volumes), np.float32), *(np.zeros(n_rows, np.float32) for _ in range(3)))
     kernels.reconstruct_accumulate(*as_tensors(volume, finite, base, offsets, projector, patch_weight,
-                                               patch_sigma, patch_rank), *outputs, demean=demean)
+                                               patch_sigma, patch_rank), *outputs, demean=demean,
+                                   volume_mean=torch.from_numpy(volume_mean) if demean == "volume" else None)
 
     voxels = base[:, None] + offsets[None, :]
     patches = volume[voxels].astype(np.float64)
-    means = patches.mean(axis=2, keepdims=True) if demean else 0
+    if demean == "volume":  # the kernel takes mu as given: X_hat = (X - mu) P + mu
+        means = volume_mean[:, None, :].astype(np.float64)
+    else:
+        means = centred(patches, None, demean)[1]
     restored = (patches - means) @ projector.astype(np.float64) + means
     voxel_weight = patch_weight[:, None].astype(np.float64) * finite[voxels]
     expected = [np.zeros((n_rows, n_volumes)), np.zeros(n_rows), np.zeros(n_rows), np.zeros(n_rows)]
@@ -129,7 +169,7 @@ def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_vol
 
 
 @interpreted
-@pytest.mark.parametrize("demean", [True, False])
+@pytest.mark.parametrize("demean", ["none", "voxel", "volume"])
 def test_reconstruct_centres_writes_each_centre_row(kernels, demean):
     rng = np.random.default_rng(5)
     n_rows, n_volumes, n_windows = 60, 19, 6
@@ -140,13 +180,16 @@ def test_reconstruct_centres_writes_each_centre_row(kernels, demean):
     patch_weight = np.ones(n_windows, np.float32)
     patch_sigma = rng.uniform(1, 5, n_windows).astype(np.float32)
     patch_rank = rng.integers(0, 5, n_windows).astype(np.float32)
+    volume_mean = (100 + rng.standard_normal((n_windows, n_volumes))).astype(np.float32)
     poison = np.float32(-7.0)
     outputs = as_tensors(np.full((n_rows, n_volumes), poison), *(np.full(n_rows, poison) for _ in range(3)))
     kernels.reconstruct_centres(*as_tensors(volume, centre_voxel, centre_window, projector, patch_weight,
-                                            patch_sigma, patch_rank), *outputs, demean=demean)
+                                            patch_sigma, patch_rank), *outputs, demean=demean,
+                                volume_mean=torch.from_numpy(volume_mean) if demean == "volume" else None)
 
     rows = volume[centre_voxel].astype(np.float64)
-    mean = rows.mean(axis=1, keepdims=True) if demean else 0
+    mean = {"none": 0, "voxel": rows.mean(axis=1, keepdims=True),
+            "volume": volume_mean[centre_window].astype(np.float64)}[demean]
     expected = np.einsum("ct,cts->cs", rows - mean, projector[centre_window].astype(np.float64)) + mean
     image, weight, sigma, rank = (x.numpy() for x in outputs)
     assert np.linalg.norm(image[centre_voxel] - expected) / np.linalg.norm(expected) < 1e-6
@@ -171,63 +214,76 @@ def test_eigensolver_fallback_returns_ascending_values_and_column_vectors():
     assert (info.numpy() == 0).all()
 
 
-def run_both(noisy, mask=None, path="auto", **options):
-    """The CPU backend's sums and the GPU pipeline's (on the CPU, interpreted), for the same plan."""
-    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
-
+def prepared(noisy, mask=None, **options):
+    """What ``denoise`` hands a backend: float32 data with non-finite voxels zeroed, the mask, the finite
+    voxels, the plan and the resolved options."""
     data, mask = check_data(noisy, mask)
     resolved = resolve_options(data.shape, **options)
     finite = np.isfinite(data).all(axis=3)
     data = np.where(finite[..., None], data, np.float32(0))
     plan = plan_patches(data.shape[:3], resolved.extent, resolved.stride, mask, finite)
+    return data, mask, finite, plan, resolved
+
+
+def run_both(noisy, mask=None, path="auto", **options):
+    """The CPU backend's sums and the GPU pipeline's (on the CPU, interpreted), for the same plan."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    data, mask, finite, plan, resolved = prepared(noisy, mask, **options)
     cpu = denoise_cpu(data, finite, plan, resolved, nprocs=1)
     gpu = denoise_gpu(data, finite, plan, resolved, device="cpu", path=path)
     return cpu, gpu, mask
 
 
+def per_voxel(sums, served):
+    """Denoised rows, sigma and rank of the served voxels from a backend's sums (divided, unless the
+    backend already did)."""
+    if sums.normalized:
+        return sums.image[served], sums.sigma[served], sums.rank[served]
+    weight = sums.weight[served]
+    return sums.image[served] / weight[:, None], sums.sigma[served] / weight, sums.rank[served] / weight
+
+
 def assert_same_denoising(cpu, gpu, mask):
     served = (cpu.weight > 0) & mask.ravel()
     np.testing.assert_allclose(gpu.weight, cpu.weight, rtol=1e-5, atol=1e-6)
-    denoised_cpu = cpu.image[served] / cpu.weight[served, None]
-    denoised_gpu = gpu.image[served] / gpu.weight[served, None]
+    denoised_cpu, sigma_cpu, rank_cpu = per_voxel(cpu, served)
+    denoised_gpu, sigma_gpu, rank_gpu = per_voxel(gpu, served)
     rms = np.sqrt(np.mean((denoised_gpu - denoised_cpu) ** 2) / np.mean(denoised_cpu**2))
     assert rms < 1e-5
-    rank_cpu = cpu.rank[served] / cpu.weight[served]
-    rank_gpu = gpu.rank[served] / gpu.weight[served]
     assert np.mean(np.abs(rank_gpu - rank_cpu) < 1e-3) >= 0.995
-    sigma_cpu = cpu.sigma[served] / cpu.weight[served]
-    sigma_gpu = gpu.sigma[served] / gpu.weight[served]
     assert np.sqrt(np.mean((sigma_gpu - sigma_cpu) ** 2) / np.mean(sigma_cpu**2)) < 1e-3
 
 
 @interpreted
 @pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("uniform", 3), ("center", 1)])
-@pytest.mark.parametrize("demean", ["voxel", "none"])
+@pytest.mark.parametrize("demean", ["voxel", "volume", "none"])
 def test_pipeline_matches_cpu_backend(kernels, aggregation, stride, demean):
     noisy, _ = low_rank_phantom((6, 5, 5) if stride == 1 else (7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=stride)
     cpu, gpu, mask = run_both(noisy, extent=3, stride=stride, estimator="exp2", aggregation=aggregation,
                               demean=demean)
     assert gpu.info["gram_path"] == "fused"
-    assert gpu.info["gram_precision"] == ("float32" if demean == "voxel" else "float64")
+    assert gpu.info["gram_precision"] == ("float64" if demean == "none" else "float32")
     assert_same_denoising(cpu, gpu, mask)
 
 
 @interpreted
 @pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
-def test_pipeline_with_mask_nan_voxels_and_exp1_matches_cpu_backend(kernels, aggregation, stride):
+@pytest.mark.parametrize("demean", ["voxel", "volume"])
+def test_pipeline_with_mask_nan_voxels_and_exp1_matches_cpu_backend(kernels, aggregation, stride, demean):
     noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=17, rank=3, sigma=5.0, seed=4)
     noisy[2, 3, 1, 5] = np.nan
     noisy[4, 1, 2, 0] = np.inf
     mask = np.zeros(noisy.shape[:3], bool)
     mask[1:6, 1:5, 0:4] = True
     cpu, gpu, mask = run_both(noisy, mask, extent=(3, 3, 5), stride=stride, estimator="exp1",
-                              aggregation=aggregation, demean="voxel")
+                              aggregation=aggregation, demean=demean)
     assert_same_denoising(cpu, gpu, mask)
 
 
 @interpreted
 @pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
-@pytest.mark.parametrize("demean", ["voxel", "none"])
+@pytest.mark.parametrize("demean", ["voxel", "volume", "none"])
 def test_voxel_side_gram_when_patch_has_fewer_voxels_than_volumes(kernels, aggregation, stride, demean):
     noisy, _ = low_rank_phantom((6, 5, 5), n_volumes=40, rank=3, sigma=5.0, seed=6)
     cpu, gpu, mask = run_both(noisy, extent=3, stride=stride, estimator="exp2", aggregation=aggregation,
@@ -237,10 +293,65 @@ def test_voxel_side_gram_when_patch_has_fewer_voxels_than_volumes(kernels, aggre
 
 
 @interpreted
-def test_gathered_path_matches_fused_path(kernels):
+@pytest.mark.parametrize("demean", ["voxel", "volume"])
+def test_gathered_path_matches_fused_path(kernels, demean):
     noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=12, rank=2, sigma=5.0, seed=7)
-    options = dict(extent=3, stride=2, estimator="exp2", aggregation="weighted", demean="voxel")
+    options = dict(extent=3, stride=2, estimator="exp2", aggregation="weighted", demean=demean)
     _, fused, _ = run_both(noisy, path="fused", **options)
     _, gathered, _ = run_both(noisy, path="gather", **options)
     np.testing.assert_allclose(gathered.image, fused.image, rtol=1e-5, atol=1e-3)
     np.testing.assert_allclose(gathered.rank, fused.rank, atol=1e-4)
+
+
+@interpreted
+def test_a_rank_at_the_threshold_is_unsettled_and_one_far_from_it_is_not():
+    """The settling test moves the eigenvalues by a few float32 roundings of the largest one: a window whose
+    signal eigenvalue sits where the estimator's answer changes is unsettled; the same window with that
+    eigenvalue 1% away from there is not."""
+    from mppca_nipype.engine.estimators import marchenko_pastur_threshold
+    from mppca_nipype.engine.gpu.pipeline import unsettled_ranks
+
+    rng = np.random.default_rng(3)
+    noise = rng.standard_normal((200, 30))
+    values = np.linalg.eigvalsh(noise.T @ noise)  # ascending, pure noise: rank 0
+
+    def with_signal(scale):
+        moved = values.copy()
+        moved[-1] *= scale
+        return torch.from_numpy(moved[None])
+
+    def rank_of(scale):
+        return int(marchenko_pastur_threshold(with_signal(scale), torch.tensor([200]), 30)[0][0])
+
+    low, high = 1.0, 10.0  # rank 0 at low, 1 at high: find where it changes
+    assert rank_of(low) == 0 and rank_of(high) == 1
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if rank_of(middle) == 0 else (low, middle)
+
+    def unsettled(scale):
+        rank = marchenko_pastur_threshold(with_signal(scale), torch.tensor([200]), 30)[0]
+        return bool(unsettled_ranks(with_signal(scale), torch.tensor([200]), 30, "exp2", rank, slack=10.0)[0])
+
+    assert unsettled(low) and unsettled(high)
+    assert not unsettled(0.99 * low) and not unsettled(1.01 * high)
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
+@pytest.mark.parametrize("demean", ["voxel", "volume"])
+def test_unsettled_windows_are_redone_in_float64(kernels, monkeypatch, aggregation, stride, demean):
+    """With every window unsettled, the float32 run gives what the float64 run gives."""
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=3)
+    data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
+                                              aggregation=aggregation, demean=demean)
+    monkeypatch.setattr(pipeline, "SETTLE_SLACK", 1e12)
+    settled = pipeline.denoise_gpu(data, finite, plan, options, device="cpu")
+    in_float64 = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", precision="float64")
+    assert settled.info["gram_precision"] == "float32"
+    assert settled.info["n_settled_in_float64"] == plan.n_windows
+    for got, want in ((settled.image, in_float64.image), (settled.sigma, in_float64.sigma),
+                      (settled.rank, in_float64.rank), (settled.weight, in_float64.weight)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)

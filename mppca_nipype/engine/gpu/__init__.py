@@ -9,7 +9,7 @@ from __future__ import annotations
 __all__ = ["usable", "DEMEANING"]
 
 #: The demeaning modes this engine runs (the engine sends the others to the CPU).
-DEMEANING = ("none", "voxel")
+DEMEANING = ("none", "voxel", "volume")
 
 
 def usable() -> str | None:

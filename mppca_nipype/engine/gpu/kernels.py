@@ -6,8 +6,12 @@ flattened (X, Y, Z) grid: a window is its corner row ``window_base`` plus the pr
 multiplication by a constant and the voxel loop's trip count is known). No (B, n, T) batch of patches is
 ever stored.
 
-* ``gram``: the T x T Gram matrix of each window's (optionally voxel-centred) patch, and the number of
-  voxels that took part (finite ones); the centring is done in registers, in the same pass.
+* ``gram``: the T x T Gram matrix of each window's patch, centred as ``demean`` says, and the number of
+  voxels that took part (finite ones). ``voxel``: each voxel's temporal mean is removed in registers, in
+  the same pass. ``volume``: a first pass sums the patch's finite voxels into its mean time course mu
+  (stored, (B, T)); the second accumulates the Gram of the centred rows (x - mu, left-out voxels zero).
+  Centring before accumulating keeps float32 exact enough on a baseline near 1000, where
+  X^T X - n mu mu^T would cancel away the noise.
 * ``reconstruct_accumulate``: X_hat = X_c P + mean for every voxel of each window, added with the window's
   weight into the image and weight/sigma/rank sums (``weighted`` and ``uniform`` aggregation).
 * ``reconstruct_centres``: the centre row only, written (not added) to its voxel (``center`` aggregation).
@@ -21,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..estimators import DEMEANING
 
 #: Largest T the fused kernels take: the T x T tile lives in registers (float32; float64 tiles are half).
 MAX_FUSED_VOLUMES = 128
@@ -45,6 +51,18 @@ def _check_volume(volume, finite):
         raise ValueError("finite must be a (V,) float32 tensor of 0/1")
 
 
+def _or_placeholder(volume_mean, like):
+    """The mean time courses, or an empty tensor where the kernel reads none (demean other than volume)."""
+    return volume_mean if volume_mean is not None else like.new_empty(0)
+
+
+def _check_volume_mean(volume_mean, demean, batch, n_volumes):
+    if demean == "volume" and (volume_mean is None or volume_mean.shape != (batch, n_volumes)
+                               or volume_mean.dtype != torch.float32 or not volume_mean.is_contiguous()):
+        raise ValueError(f"demean 'volume' needs volume_mean, a contiguous ({batch}, {n_volumes}) float32 "
+                         "tensor (from gram)")
+
+
 def _block_voxels(n_volumes: int) -> int:
     """The voxel tile: keep a (BLOCK_N, BLOCK_T) chunk near 4096 elements."""
     return max(16, min(64, 4096 // block_volumes(n_volumes)))
@@ -54,7 +72,7 @@ def _block_voxels(n_volumes: int) -> int:
 
 @triton.jit
 def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gram_ptr, n_took_part_ptr,
-                 n_voxels: tl.constexpr, n_volumes: tl.constexpr,
+                 volume_mean_ptr, n_voxels: tl.constexpr, n_volumes: tl.constexpr,
                  DEMEAN: tl.constexpr, FP64: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     window = tl.program_id(0)
     base = tl.load(window_base_ptr + window)  # int64: corner row of this window
@@ -65,34 +83,67 @@ def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gra
     else:
         gram = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
     took_part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if DEMEAN == "volume":
+        # first pass: the patch's mean time course over the voxels that take part
+        if FP64:
+            total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float64)
+        else:
+            total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        for start in range(0, n_voxels, BLOCK_N):
+            i = start + tl.arange(0, BLOCK_N)
+            voxel_valid = i < n_voxels
+            row = base + tl.load(voxel_offsets_ptr + i, mask=voxel_valid, other=0)
+            took = tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
+            x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :],
+                        mask=voxel_valid[:, None] & volume_valid[None, :], other=0.0)
+            if FP64:
+                x = x.to(tl.float64)
+            total += x * took[:, None]
+            took_part += took
+        n_took_part = tl.sum(took_part, axis=0)
+        volume_mean = tl.sum(total, axis=0) / tl.maximum(n_took_part, 1.0)  # (BLOCK_T,), 0 past T
+        tl.store(volume_mean_ptr + window.to(tl.int64) * n_volumes + t, volume_mean.to(tl.float32),
+                 mask=volume_valid)
     for start in range(0, n_voxels, BLOCK_N):
         i = start + tl.arange(0, BLOCK_N)
         voxel_valid = i < n_voxels
         row = base + tl.load(voxel_offsets_ptr + i, mask=voxel_valid, other=0)
+        took = tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
         # one chunk of the patch: BLOCK_N voxels x all volumes (non-finite voxels hold zeros)
         x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :],
                     mask=voxel_valid[:, None] & volume_valid[None, :], other=0.0)
         if FP64:
             x = x.to(tl.float64)
-        if DEMEAN:
+        if DEMEAN == "voxel":
             mean = tl.sum(x, axis=1) / n_volumes
             x = tl.where(volume_valid[None, :], x - mean[:, None], 0.0)
+        if DEMEAN == "volume":
+            x = (x - volume_mean[None, :]) * took[:, None]  # left-out voxels stay rows of zeros
+        else:
+            took_part += took
         gram = tl.dot(tl.trans(x), x, gram, input_precision="ieee", out_dtype=gram.dtype)
-        took_part += tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
     out = gram_ptr + window.to(tl.int64) * n_volumes * n_volumes
     tl.store(out + t[:, None] * n_volumes + t[None, :], gram,
              mask=volume_valid[:, None] & volume_valid[None, :])
     tl.store(n_took_part_ptr + window, tl.sum(took_part, axis=0).to(tl.int32))
 
 
-def gram(volume, finite, window_base, voxel_offsets, *, demean: bool, dtype=torch.float32):
-    """Gram matrices X_c^T X_c (B, T, T) of the windows at ``window_base`` and their voxels taking part (B,).
+def _check_demean(demean):
+    if demean not in DEMEANING:
+        raise ValueError(f"demean must be one of {DEMEANING}, not {demean!r}")
+
+
+def gram(volume, finite, window_base, voxel_offsets, *, demean: str, dtype=torch.float32):
+    """Gram matrices X_c^T X_c (B, T, T) of the windows at ``window_base``, their voxels taking part (B,)
+    and, for ``demean="volume"``, each patch's mean time course (B, T) float32 (else None).
 
     ``window_base`` (B,) int64: corner row of each window; ``voxel_offsets`` (n,) int32: rows from the
-    corner. ``demean`` removes each voxel's temporal mean first. ``dtype`` is the Gram's precision
-    (float64 keeps the noise eigenvalues of an undemeaned series on a large baseline).
+    corner. ``demean``: "none", "voxel" (remove each voxel's temporal mean) or "volume" (remove the mean
+    over the patch's finite voxels of each volume). ``dtype`` is the Gram's precision (float64 keeps the
+    noise eigenvalues of an undemeaned series on a large baseline).
     """
     _check_volume(volume, finite)
+    _check_demean(demean)
     n_voxels, n_volumes = voxel_offsets.numel(), volume.shape[1]
     if not fused_fits(n_voxels, n_volumes, dtype):
         raise ValueError(f"the fused Gram takes n >= T and T <= {MAX_FUSED_VOLUMES}, not n={n_voxels}, "
@@ -100,19 +151,21 @@ def gram(volume, finite, window_base, voxel_offsets, *, demean: bool, dtype=torc
     batch = window_base.numel()
     out = torch.empty((batch, n_volumes, n_volumes), dtype=dtype, device=volume.device)
     n_took_part = torch.empty(batch, dtype=torch.int32, device=volume.device)
+    volume_mean = (torch.empty((batch, n_volumes), dtype=torch.float32, device=volume.device)
+                   if demean == "volume" else None)
     if batch:
         _gram_kernel[(batch,)](volume, finite, window_base, voxel_offsets, out, n_took_part,
-                               n_voxels, n_volumes, DEMEAN=demean, FP64=dtype == torch.float64,
-                               BLOCK_N=_block_voxels(n_volumes), BLOCK_T=block_volumes(n_volumes),
-                               num_warps=4)
-    return out, n_took_part
+                               _or_placeholder(volume_mean, volume), n_voxels, n_volumes, DEMEAN=demean,
+                               FP64=dtype == torch.float64, BLOCK_N=_block_voxels(n_volumes),
+                               BLOCK_T=block_volumes(n_volumes), num_warps=4)
+    return out, n_took_part, volume_mean
 
 
 # -- reconstruct and accumulate (weighted / uniform) --------------------------------------------------------
 
 @triton.jit
 def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, projector_ptr,
-                                   patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
+                                   volume_mean_ptr, patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
                                    image_ptr, weight_ptr, sigma_ptr, rank_ptr,
                                    n_voxels: tl.constexpr, n_volumes: tl.constexpr,
                                    DEMEAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -127,6 +180,9 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
         projector = tl.load(projector_ptr + window.to(tl.int64) * n_volumes * n_volumes
                             + t[:, None] * n_volumes + t[None, :],
                             mask=volume_valid[:, None] & volume_valid[None, :], other=0.0)
+        if DEMEAN == "volume":
+            volume_mean = tl.load(volume_mean_ptr + window.to(tl.int64) * n_volumes + t, mask=volume_valid,
+                                  other=0.0)
         for start in range(0, n_voxels, BLOCK_N):
             i = start + tl.arange(0, BLOCK_N)
             voxel_valid = i < n_voxels
@@ -134,12 +190,16 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
             element_valid = voxel_valid[:, None] & volume_valid[None, :]
             x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :], mask=element_valid, other=0.0)
             # the patch's rows projected on its signal components, the means put back
-            if DEMEAN:
+            if DEMEAN == "voxel":
                 mean = tl.sum(x, axis=1) / n_volumes
                 x = tl.where(volume_valid[None, :], x - mean[:, None], 0.0)
+            if DEMEAN == "volume":
+                x -= volume_mean[None, :]
             restored = tl.dot(x, projector, input_precision="ieee")
-            if DEMEAN:
+            if DEMEAN == "voxel":
                 restored += mean[:, None]
+            if DEMEAN == "volume":
+                restored += volume_mean[None, :]
             # voxels that took no part (non-finite) receive nothing
             voxel_weight = patch_weight * tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
             tl.atomic_add(image_ptr + row[:, None] * n_volumes + t[None, :], restored * voxel_weight[:, None],
@@ -150,14 +210,17 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
 
 
 def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector, patch_weight, patch_sigma,
-                           patch_rank, image, weight, sigma, rank, *, demean: bool):
+                           patch_rank, image, weight, sigma, rank, *, demean: str, volume_mean=None):
     """Add w * (X_c P + mean) of every window to ``image`` (V, T) and w, w*sigma, w*rank to the maps (V,).
 
     ``projector`` (B, T, T) float32; ``patch_weight``, ``patch_sigma``, ``patch_rank`` (B,) float32 (a window
-    with weight 0 is skipped: a failed eigensolve is redone on the CPU).
+    with weight 0 is skipped: a failed eigensolve is redone on the CPU). ``demean`` as for ``gram``; with
+    "volume", ``volume_mean`` (B, T) is what ``gram`` returned: X_hat = (X - mu) P + mu.
     """
     _check_volume(volume, finite)
+    _check_demean(demean)
     batch, n_volumes = window_base.numel(), volume.shape[1]
+    _check_volume_mean(volume_mean, demean, batch, n_volumes)
     if projector.shape != (batch, n_volumes, n_volumes) or projector.dtype != torch.float32:
         raise ValueError(f"projector must be ({batch}, {n_volumes}, {n_volumes}) float32")
     for name, vector in (("patch_weight", patch_weight), ("patch_sigma", patch_sigma),
@@ -166,8 +229,9 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
             raise ValueError(f"{name} must be ({batch},) float32")
     if batch:
         _reconstruct_accumulate_kernel[(batch,)](
-            volume, finite, window_base, voxel_offsets, projector.contiguous(), patch_weight, patch_sigma,
-            patch_rank, image, weight, sigma, rank, voxel_offsets.numel(), n_volumes, DEMEAN=demean,
+            volume, finite, window_base, voxel_offsets, projector.contiguous(), _or_placeholder(volume_mean, volume),
+            patch_weight, patch_sigma, patch_rank, image, weight, sigma, rank, voxel_offsets.numel(), n_volumes,
+            DEMEAN=demean,
             BLOCK_N=_block_voxels(n_volumes), BLOCK_T=block_volumes(n_volumes), num_warps=4)
 
 
@@ -175,7 +239,7 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
 
 @triton.jit
 def _reconstruct_centres_kernel(volume_ptr, centre_voxel_ptr, centre_window_ptr, projector_ptr,
-                                patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
+                                volume_mean_ptr, patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
                                 image_ptr, weight_ptr, sigma_ptr, rank_ptr, n_volumes: tl.constexpr,
                                 DEMEAN: tl.constexpr, BLOCK_T: tl.constexpr):
     centre = tl.program_id(0)
@@ -184,15 +248,18 @@ def _reconstruct_centres_kernel(volume_ptr, centre_voxel_ptr, centre_window_ptr,
     t = tl.arange(0, BLOCK_T)
     volume_valid = t < n_volumes
     x = tl.load(volume_ptr + voxel * n_volumes + t, mask=volume_valid, other=0.0)
-    if DEMEAN:
+    if DEMEAN == "voxel":
         mean = tl.sum(x, axis=0) / n_volumes
         x = tl.where(volume_valid, x - mean, 0.0)
+    if DEMEAN == "volume":
+        mean = tl.load(volume_mean_ptr + window.to(tl.int64) * n_volumes + t, mask=volume_valid, other=0.0)
+        x -= mean
     projector = tl.load(projector_ptr + window.to(tl.int64) * n_volumes * n_volumes
                         + t[:, None] * n_volumes + t[None, :],
                         mask=volume_valid[:, None] & volume_valid[None, :], other=0.0)
     # the centre's own row projected on its window's signal components
     restored = tl.sum(x[:, None] * projector, axis=0)
-    if DEMEAN:
+    if DEMEAN != "none":
         restored += mean
     patch_weight = tl.load(patch_weight_ptr + window)
     tl.store(image_ptr + voxel * n_volumes + t, restored * patch_weight, mask=volume_valid)
@@ -202,19 +269,23 @@ def _reconstruct_centres_kernel(volume_ptr, centre_voxel_ptr, centre_window_ptr,
 
 
 def reconstruct_centres(volume, centre_voxel, centre_window, projector, patch_weight, patch_sigma, patch_rank,
-                        image, weight, sigma, rank, *, demean: bool):
+                        image, weight, sigma, rank, *, demean: str, volume_mean=None):
     """Write each centre voxel's own denoised row and its window's sigma and rank (``center`` aggregation).
 
     ``centre_voxel`` (C,) int64 rows; ``centre_window`` (C,) int32 index of each centre's window in the
-    batch; ``patch_weight`` (B,) float32 is 1, or 0 for a window left to the CPU.
+    batch; ``patch_weight`` (B,) float32 is 1, or 0 for a window left to the CPU. ``demean`` and
+    ``volume_mean`` as for ``reconstruct_accumulate``.
     """
+    _check_demean(demean)
     n_volumes = volume.shape[1]
+    _check_volume_mean(volume_mean, demean, projector.shape[0], n_volumes)
     if centre_voxel.shape != centre_window.shape:
         raise ValueError("centre_voxel and centre_window must have the same length")
     if projector.dtype != torch.float32 or projector.shape[1:] != (n_volumes, n_volumes):
         raise ValueError(f"projector must be (B, {n_volumes}, {n_volumes}) float32")
     if centre_voxel.numel():
         _reconstruct_centres_kernel[(centre_voxel.numel(),)](
-            volume, centre_voxel, centre_window, projector.contiguous(), patch_weight, patch_sigma, patch_rank,
+            volume, centre_voxel, centre_window, projector.contiguous(), _or_placeholder(volume_mean, volume),
+            patch_weight, patch_sigma, patch_rank,
             image, weight, sigma, rank, n_volumes, DEMEAN=demean, BLOCK_T=block_volumes(n_volumes),
             num_warps=4 if n_volumes > 64 else 2)
