@@ -6,6 +6,11 @@ that batches windows to fit the device's memory (``pipeline``).
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from pathlib import Path
+import sys
+
 __all__ = ["usable", "DEMEANING"]
 
 #: The demeaning modes this engine runs (the engine sends the others to the CPU).
@@ -16,8 +21,12 @@ def usable() -> str | None:
     """None when torch and triton import and a CUDA device is usable; else one sentence saying why not.
 
     nvmath-python is not required here: without it the eigensolver falls back to torch.linalg.eigh, with a
-    warning, when the pipeline starts.
+    warning, when the pipeline starts. Where no GPU can be present, it answers without importing torch
+    (which costs seconds, more than a small CPU run).
     """
+    reason = _absent_without_importing()
+    if reason:
+        return reason
     try:
         import torch
     except ImportError:
@@ -34,4 +43,19 @@ def usable() -> str | None:
         return f"the CUDA device cannot be used ({type(err).__name__}: {err})"
     if major < 7:
         return f"the CUDA device has compute capability {major}.x; the Triton kernels need 7.0 or newer"
+    return None
+
+
+def _absent_without_importing() -> str | None:
+    """A reason there can be no usable GPU, found without importing torch; None when there may be one."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return "CUDA_VISIBLE_DEVICES hides every device"
+    for package in ("torch", "triton"):
+        if importlib.util.find_spec(package) is None:
+            return f"{package} is not installed (pip install 'mppca-nipype[gpu]')"
+    if sys.platform.startswith("linux"):
+        nodes = Path("/proc/driver/nvidia/gpus").is_dir() or any(Path("/dev").glob("nvidia[0-9]*")) \
+            or Path("/dev/dxg").exists()  # WSL
+        if not nodes:
+            return "no NVIDIA GPU is present (no NVIDIA driver device found)"
     return None
