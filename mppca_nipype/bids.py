@@ -25,6 +25,7 @@ or ``bold``) the derivative dataset holds, in the same sub-/ses-/datatype folder
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 import hashlib
 from importlib.metadata import PackageNotFoundError, version as package_version
@@ -33,6 +34,7 @@ import os
 from pathlib import Path, PurePosixPath
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 
@@ -119,6 +121,71 @@ def copy_atomic(source, destination):
             os.unlink(tmp)
         raise
     return destination
+
+
+def remove_stale_temporaries(path):
+    """Remove the temporary files a killed writer left beside ``path`` (``.<name>.<random>``).
+
+    Only call it while holding the lock that guards ``path`` (another writer's live temporary would go)."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{glob_escape(path.name)}.*"):
+        stale.unlink(missing_ok=True)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+@contextmanager
+def commit_together():
+    """A block of renames that SIGTERM cannot split: the signal waits until the block ends (SIGKILL
+    cannot be held off; a rerun completes what it split)."""
+    blocked = hasattr(signal, "pthread_sigmask")
+    if blocked:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# ------------------------------------------------------------------------------------------------ locks
+
+#: Where the lock files live, inside OUTPUT_DIR (hidden; also the default work directory's parent).
+LOCK_FOLDER = ".mppca-work/locks"
+
+
+@contextmanager
+def file_lock(path, *, wait=True, on_wait=None):
+    """Hold an exclusive lock on the file ``path`` (created) for the block.
+
+    A POSIX (``fcntl``) lock: it works on NFS and goes with its holder, even one killed by SIGKILL, so a
+    killed run never leaves a stale lock. With ``wait`` false, raises BlockingIOError when another process
+    holds it; ``on_wait()`` is called once before waiting.
+    """
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            if not wait:
+                raise BlockingIOError(f"another process holds the lock {path}") from None
+            if on_wait is not None:
+                on_wait()
+            fcntl.lockf(handle, fcntl.LOCK_EX)
+        yield  # the lock goes with the file's closing
+
+
+def output_lock(output_dir, name="dataset", **how):
+    """The lock ``name`` of the derivative dataset in ``output_dir`` (a file in ``LOCK_FOLDER``).
+
+    ``dataset`` guards the dataset-level files; ``run-<node name>`` one run's work and derivatives.
+    ``how``: as for :func:`file_lock`."""
+    return file_lock(Path(output_dir) / LOCK_FOLDER / f"{name}.lock", **how)
 
 
 # ------------------------------------------------------------------------------------------ provenance
@@ -281,11 +348,25 @@ def dataset_fingerprint(bids_dir) -> str:
 
 def open_layout(bids_dir, work_dir):
     """A pybids BIDSLayout of ``bids_dir`` whose database lives in ``work_dir`` (reused while the dataset
-    is unchanged). Nothing is written into ``bids_dir``."""
+    is unchanged). Nothing is written into ``bids_dir``.
+
+    The database is built in a temporary folder and renamed into place, under a lock: concurrent runs
+    sharing a work directory (the tasks of an array job) index the dataset once, and a run killed while
+    indexing leaves no half-built database behind.
+    """
     from bids import BIDSLayout
 
     database = Path(work_dir) / "bids_db" / dataset_fingerprint(bids_dir)
     database.parent.mkdir(parents=True, exist_ok=True)
+    if not database.is_dir():
+        with file_lock(database.parent / "index.lock"):
+            if not database.is_dir():
+                building = Path(tempfile.mkdtemp(prefix=f".{database.name}.", dir=database.parent))
+                try:
+                    BIDSLayout(str(bids_dir), validate=False, database_path=str(building))
+                    os.replace(building, database)
+                finally:
+                    shutil.rmtree(building, ignore_errors=True)
     return BIDSLayout(str(bids_dir), validate=False, database_path=str(database))
 
 
@@ -399,17 +480,25 @@ def owner_of(output_dir):
 
 
 def write_dataset_files(output_dir, bids_dir, citation: str):
-    """dataset_description.json, .bidsignore, README.md (when absent) and logs/CITATION.md."""
+    """dataset_description.json, .bidsignore, README.md (when absent) and logs/CITATION.md.
+
+    Under the dataset lock, each file written atomically: runs sharing OUTPUT_DIR (an array job's tasks)
+    never see or leave a half-written one, and .bidsignore's read-modify-write loses no line.
+    """
     output_dir = Path(output_dir)
     (output_dir / "logs").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(output_dir / "dataset_description.json", dataset_description(bids_dir))
-    ignore = output_dir / ".bidsignore"
-    lines = ignore.read_text().splitlines() if ignore.exists() else []
-    write_text_atomic(ignore, "\n".join(lines + [p for p in BIDSIGNORE if p not in lines]) + "\n")
-    readme = output_dir / "README.md"
-    if not readme.exists():
-        write_text_atomic(readme, README)
-    write_text_atomic(output_dir / "logs" / "CITATION.md", citation)
+    with output_lock(output_dir, "dataset"):
+        files = [output_dir / name for name in ("dataset_description.json", ".bidsignore", "README.md")]
+        for path in files + [output_dir / "logs" / "CITATION.md"]:
+            remove_stale_temporaries(path)
+        write_json_atomic(output_dir / "dataset_description.json", dataset_description(bids_dir))
+        ignore = output_dir / ".bidsignore"
+        lines = ignore.read_text().splitlines() if ignore.exists() else []
+        write_text_atomic(ignore, "\n".join(lines + [p for p in BIDSIGNORE if p not in lines]) + "\n")
+        readme = output_dir / "README.md"
+        if not readme.exists():
+            write_text_atomic(readme, README)
+        write_text_atomic(output_dir / "logs" / "CITATION.md", citation)
 
 
 README = """# MP-PCA denoised derivatives (mppca-nipype)
@@ -464,31 +553,47 @@ class DerivativesSink(SimpleInterface):
         names = derivative_names(self.inputs.source_file)
         sources = [raw_uri(self.inputs.source_file)]
         sidecar = json.loads(Path(self.inputs.sidecar_file).read_text())
-        written = []
-
-        def target(key):
-            path = root / names[key]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            written.append(str(path))
-            return path
-
         provenance = sidecar.pop("MPPCADenoising", None)
         sidecar.update({"Sources": sources,
                         "Description": "Denoised by Marchenko-Pastur PCA (MP-PCA); see logs/CITATION.md",
                         "SkullStripped": False, "MPPCADenoising": provenance})
-        copy_atomic(self.inputs.in_file, target("denoised"))
-        write_json_atomic(target("denoised_json"), sidecar)
-        for kind, file in (("noise", self.inputs.noise_file), ("rank", self.inputs.rank_file)):
-            copy_atomic(file, target(kind))
-            write_json_atomic(target(f"{kind}_json"), {"Description": MAPS[kind][2], "Sources": sources})
+        # what goes where: (key, a file to copy or JSON to write); the denoised series comes last, so a
+        # run whose series is there has all its files
+        contents = [("noise", self.inputs.noise_file), ("rank", self.inputs.rank_file),
+                    ("noise_json", {"Description": MAPS["noise"][2], "Sources": sources}),
+                    ("rank_json", {"Description": MAPS["rank"][2], "Sources": sources})]
         if "bval" in names and isdefined(self.inputs.bval) and isdefined(self.inputs.bvec):
-            copy_atomic(self.inputs.bval, target("bval"))
-            copy_atomic(self.inputs.bvec, target("bvec"))
+            contents += [("bval", self.inputs.bval), ("bvec", self.inputs.bvec)]
         if isdefined(self.inputs.figures):  # QC figures <kind>.png from reports.RunReport
             names.update(report_names(self.inputs.source_file))
-            for figure in self.inputs.figures:
-                copy_atomic(figure, target(Path(figure).stem))
-        self._results.update(out_file=written[0], out_files=written)
+            contents += [(Path(figure).stem, figure) for figure in self.inputs.figures]
+        contents += [("denoised_json", sidecar), ("denoised", self.inputs.in_file)]
+
+        # stage every file beside its destination, then rename them all at once (SIGTERM held off):
+        # a run killed at any point leaves either all of its derivatives or none it did not have before
+        staged = []
+        try:
+            for key, content in contents:
+                path = root / names[key]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                remove_stale_temporaries(path)  # left by a killed run (the app holds this run's lock)
+                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+                os.close(fd)
+                staged.append((tmp, path))
+                if isinstance(content, dict):
+                    Path(tmp).write_text(json.dumps(content, indent=2, default=_jsonable) + "\n")
+                else:
+                    shutil.copyfile(content, tmp)
+                os.chmod(tmp, 0o644)
+            with commit_together():
+                for tmp, path in staged:
+                    os.replace(tmp, path)
+        finally:
+            for tmp, _ in staged:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        written = [str(path) for _, path in staged]
+        self._results.update(out_file=written[-1], out_files=written)
         return runtime
 
 

@@ -14,10 +14,12 @@ Example
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import lru_cache
 from importlib.util import find_spec
 import os
 from pathlib import Path
+import tempfile
 import time
 import warnings
 
@@ -58,6 +60,116 @@ def gpu_probably_usable() -> bool:
         return False
     gpus = Path("/proc/driver/nvidia/gpus")
     return (gpus.is_dir() and any(gpus.iterdir())) or Path("/dev/nvidia0").exists()
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA devices this process may use, by the names CUDA knows them (indices or UUIDs), without
+    initialising CUDA: ``CUDA_VISIBLE_DEVICES`` when set (SLURM sets it for ``--gres=gpu:N``), else every
+    NVIDIA device of the machine."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [name.strip() for name in listed.split(",") if name.strip() and name.strip() != "-1"]
+    gpus = Path("/proc/driver/nvidia/gpus")
+    count = len(list(gpus.iterdir())) if gpus.is_dir() else len(list(Path("/dev").glob("nvidia[0-9]*")))
+    return [str(i) for i in range(count)]
+
+
+def _gpu_lock_dir() -> Path:
+    """Where the GPU locks live: one folder per user and machine, shared by every process of that user."""
+    folder = Path(os.environ.get("MPPCA_GPU_LOCK_DIR") or Path(tempfile.gettempdir()) / f"mppca-gpu-{os.getuid()}")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextmanager
+def gpu_slot(devices=None):
+    """Hold one of the visible CUDA devices for the block; yields ``(index, name, shared)``.
+
+    ``index`` is the device's position among the visible ones (what ``torch.cuda.set_device`` takes),
+    ``name`` its CUDA name. Each device has a lock file (``fcntl`` lock, released when the holder exits,
+    even by SIGKILL); the first free device is taken, starting from one picked by the process id so that
+    concurrent nodes spread out. When every device is held (MultiProc's ``n_gpu_procs`` above the number of
+    GPUs), a device is shared (``shared`` true) rather than waited for. Yields None without a visible GPU.
+    """
+    import fcntl
+
+    devices = visible_gpus() if devices is None else list(devices)
+    if not devices:
+        yield None
+        return
+    folder = _gpu_lock_dir()
+    first = os.getpid() % len(devices)
+    order = [(first + k) % len(devices) for k in range(len(devices))]
+    for index in order:
+        handle = open(folder / f"gpu-{devices[index].replace('/', '_')}.lock", "a")
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            continue
+        try:
+            yield index, devices[index], False
+        finally:
+            handle.close()  # closing releases the lock
+        return
+    yield first, devices[first], True
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether an exception from the GPU engine means the device ran out of memory (torch's
+    OutOfMemoryError, or cuSOLVER/CUDA reporting a failed allocation)."""
+    text = f"{type(err).__name__}: {err}"
+    return ("OutOfMemoryError" in text or "out of memory" in text.lower() or "ALLOC_FAILED" in text
+            or "CUDA_ERROR_OUT_OF_MEMORY" in text)
+
+
+def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs):
+    """Run the engine on a GPU when asked and usable, else on the CPU; return (result, notes, placement).
+
+    ``notes``: sentences for the provenance's warnings (the engine's, and why a GPU run ended on the CPU:
+    no usable GPU, or the device ran out of memory). ``placement``: how the run was placed
+    (``GPUAsked``, ``GPUSlot``, ``CPUFallback``). The GPU runs on the device ``gpu_slot`` gives it,
+    so that concurrent nodes on a machine with several GPUs each use their own.
+    """
+    from .engine import MPPCAInputError, MPPCAWarning, check_device, denoise
+
+    notes, placement = [], {"GPUAsked": bool(use_gpu), "GPUSlot": None, "CPUFallback": None}
+
+    def run(device):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", MPPCAWarning)
+            result = denoise(data, mask, **parameters, device=device, nprocs=nprocs)
+        notes.extend(str(w.message) for w in caught if issubclass(w.category, MPPCAWarning))
+        return result
+
+    if use_gpu:
+        try:
+            check_device("cuda")
+        except MPPCAInputError as err:
+            reason = str(err).replace("device 'cuda' was asked for but ", "")
+            placement["CPUFallback"] = f"no usable GPU: {reason}"
+        else:
+            with gpu_slot() as slot:
+                if slot is not None:
+                    placement["GPUSlot"] = dict(zip(("Index", "Device", "Shared"), slot))
+                try:
+                    return _run_pinned(run, slot), notes, placement
+                except Exception as err:  # noqa: BLE001 - only out-of-memory is recovered from
+                    if not _out_of_memory(err):
+                        raise
+                    placement["CPUFallback"] = f"the GPU ran out of memory ({' '.join(str(err).split())[:200]})"
+        notes.append(f"a GPU was asked for, but {placement['CPUFallback']}; ran on the CPU instead")
+    return run("cpu"), notes, placement
+
+
+def _run_pinned(run, slot):
+    """``run("auto")`` with the slot's device as torch's current CUDA device (when there is a choice)."""
+    if slot is None or len(visible_gpus()) < 2:
+        return run("auto")
+    import torch
+
+    with torch.cuda.device(slot[0]):
+        return run("auto")
 
 
 class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
@@ -105,7 +217,7 @@ class MPPCADenoise(SimpleInterface):
     def _run_interface(self, runtime):
         from . import io
         from .bids import collect_provenance, write_json_atomic
-        from .engine import MPPCAWarning, denoise
+        from .engine import available_cpus
 
         start = time.perf_counter()
         data, image = io.load_series(self.inputs.in_file)
@@ -115,11 +227,10 @@ class MPPCADenoise(SimpleInterface):
         parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride,
                           estimator=self.inputs.estimator, aggregation=self.inputs.aggregation,
                           demean=self.inputs.demean)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", MPPCAWarning)
-            result = denoise(data, mask, **parameters, device="auto" if self.inputs.use_gpu else "cpu",
-                             nprocs=self.inputs.num_threads)
-        notes = [str(w.message) for w in caught if issubclass(w.category, MPPCAWarning)]
+        # never more workers than this process may use (its affinity, SLURM_CPUS_PER_TASK)
+        nprocs = max(1, min(self.inputs.num_threads, available_cpus()))
+        result, notes, placement = denoise_on_device(data, mask, parameters, use_gpu=self.inputs.use_gpu,
+                                                     nprocs=nprocs)
         for note in notes:
             LOGGER.warning("MPPCADenoise %s: %s", Path(self.inputs.in_file).name, note)
 
@@ -136,6 +247,7 @@ class MPPCADenoise(SimpleInterface):
             mask=mask, parameters=dict(parameters, use_gpu=bool(self.inputs.use_gpu),
                                        num_threads=self.inputs.num_threads),
             wall_seconds=time.perf_counter() - start, warnings=notes)
+        provenance.update(placement)
         provenance_file = str(Path(runtime.cwd) / "provenance.json")
         write_json_atomic(provenance_file, provenance)
         self._results.update(out_file=out_file, noise_file=noise_file, rank_file=rank_file,

@@ -11,9 +11,11 @@ Everything is checked before any work starts; a problem is one sentence on stder
 from __future__ import annotations
 
 import argparse
+from contextlib import ExitStack
 import json
 import os
 from pathlib import Path
+import signal
 import sys
 import time
 import warnings
@@ -39,7 +41,9 @@ First time? Try:  mppca-nipype --demo ./mppca-demo"""
 EPILOG = """\
 exit status: 0 done; 1 a run failed (crash reports in OUTPUT_DIR/logs); 16 BIDS_DIR is not valid BIDS;
 18 the labels and filters select no run; 64 the command line is wrong; 66 an input (BIDS_DIR, filter file)
-is missing; 73 OUTPUT_DIR or the work directory cannot be created."""
+is missing; 73 OUTPUT_DIR or the work directory cannot be created; 130 interrupted; 143 terminated
+(SIGTERM: a job's time limit or preemption). A run stopped at any point leaves no partial derivative;
+run the same command again to do what is missing. Runs sharing OUTPUT_DIR (an array job) are safe."""
 
 
 class AppError(Exception):
@@ -48,6 +52,77 @@ class AppError(Exception):
     def __init__(self, message, status):
         super().__init__(message)
         self.status = status
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every ``finally`` (temporary files, locks) runs."""
+
+
+_APP_PID = []
+
+
+def _raise_terminated(signum, frame):
+    if _APP_PID and os.getpid() != _APP_PID[-1]:  # a worker forked with this handler: die as by default
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise Terminated()
+
+
+def stop_descendants(grace=3.0):
+    """SIGTERM every process this one started (Nipype's workers and the engine's), then SIGKILL those left
+    after ``grace`` seconds: a terminated app leaves nothing running that could write into its folders."""
+    import multiprocessing
+
+    pids = _descendants(os.getpid()) or [child.pid for child in multiprocessing.active_children()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _alive(pid)]
+        time.sleep(0.05)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _descendants(root: int) -> list:
+    """The process ids below ``root`` (Linux /proc; empty elsewhere)."""
+    children = {}
+    try:
+        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, queue = [], [root]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,6 +197,8 @@ def build_parser():
 
 def main(argv=None):
     os.environ.setdefault("NIPYPE_NO_ET", "1")  # no version check over the network
+    _APP_PID.append(os.getpid())
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         args = build_parser().parse_args(argv)
         status = run(args)
@@ -129,6 +206,14 @@ def main(argv=None):
         report_error(err, err.status)
     except KeyboardInterrupt:
         exit_interrupted(PROG)
+    except Terminated:
+        stop_descendants()
+        say(f"{PROG}: error: terminated; run the same command again to finish")
+        sys.stdout.flush()
+        os._exit(143)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _APP_PID.pop()
     sys.exit(status)
 
 
@@ -321,7 +406,13 @@ def run(args) -> int:
     note(f"denoising {len(todo)} run{'s' if len(todo) > 1 else ''} "
          f"({', '.join(sorted({r.suffix for r in todo}))}) into {output_dir}")
 
-    failed = execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note)
+    with ExitStack() as locks:  # this run's runs are ours alone until done (other runs may share OUTPUT_DIR)
+        from ..bids import output_lock
+
+        for run_ in sorted(todo, key=lambda r: r.node_name):  # one order for all: no deadlock
+            locks.enter_context(output_lock(output_dir, f"run-{run_.node_name}", on_wait=lambda r=run_: note(
+                f"waiting for another {PROG} run that is denoising {r.name} into {output_dir}")))
+        failed = execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note)
     _report_runs(todo, output_dir, note)
     if args.reports:
         from ..reports import write_subject_report
@@ -386,8 +477,23 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
 
     plugin_args = dict(args.plugin_args)
     if args.plugin == "MultiProc":
+        from ..interfaces import visible_gpus
+
         plugin_args.setdefault("n_procs", nprocs)
         plugin_args.setdefault("raise_insufficient", False)
+        # one GPU node per visible device (nvidia-smi, Nipype's default, ignores CUDA_VISIBLE_DEVICES)
+        plugin_args.setdefault("n_gpu_procs", len(visible_gpus()) if use_gpu else 0)
+        if use_gpu:  # workers start clean: CUDA cannot be used in a process forked after it started
+            plugin_args.setdefault("mp_context", "forkserver")
+    if args.plugin == "SLURM":
+        import getpass
+
+        from ..workflows import sbatch_resources
+
+        os.environ.setdefault("LOGNAME", getpass.getuser())  # Nipype's SLURM plugin names jobs with it
+        for node in workflow._get_all_nodes():
+            if node.name == "denoise":  # --cpus-per-task, --mem (and --gres=gpu:1) from its input's size
+                node.plugin_args = {"sbatch_args": sbatch_resources(node), "overwrite": False}
     if args.plugin in ("MultiProc", "Linear"):
         plugin_args.setdefault("status_callback", progress)
     try:

@@ -57,9 +57,55 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
     )
 
 
+#: The memory model (docs/hpc.md), in GiB: what a denoising node's process holds at its peak.
+#: CPU: the interpreter with NumPy, nibabel, Nipype and torch's LAPACK (MEMORY_BASE), five copies of the
+#: series in float32 (as read, the workers' shared copy, the weighted sums, the result, and one transient
+#: of nibabel's scaling or saving), and per worker process its batch (engine.cpu.BATCH_BYTES, twice) and
+#: its slab's sums (extent[0] planes of the series). GPU: the same base plus the CUDA context
+#: (MEMORY_CUDA), and four copies (as read, pinned upload, pinned download, the result).
+MEMORY_BASE = 0.5
+MEMORY_CUDA = 1.5
+SERIES_COPIES_CPU = 5
+SERIES_COPIES_GPU = 4
+
+
+def node_resources(shape, *, use_gpu, max_procs, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"]):
+    """``(n_procs, mem_gb)`` a denoising node needs for an input of ``shape`` (X, Y, Z, T).
+
+    CPU: as many worker processes as the engine can keep busy (one per x-plane of patch corners), at most
+    ``max_procs``; GPU: one process (MultiProc counts a GPU node's ``n_procs`` as GPU slots, so one GPU
+    each). ``mem_gb`` follows the memory model above (MEMORY_BASE...), rounded up to 0.1 GiB.
+    """
+    import math
+
+    from ..engine.cpu import BATCH_BYTES
+    from ..engine.patches import resolve_extent
+
+    x, y, z, t = (int(v) for v in shape[:4])
+    series_gb = x * y * z * t * 4 / 2**30
+    if use_gpu:
+        return 1, math.ceil(10 * (MEMORY_BASE + MEMORY_CUDA + SERIES_COPIES_GPU * series_gb)) / 10
+    try:
+        ex = resolve_extent(extent, (x, y, z), t)[0]
+    except ValueError:  # a wrong extent fails in the node itself, with its message
+        ex = 1
+    step = 1 if stride == 1 else min(stride, ex)
+    units = math.ceil((x - ex) / step) + 1
+    n_procs = max(1, min(int(max_procs), units))
+    per_worker = 2 * BATCH_BYTES / 2**30 + series_gb * ex / x
+    return n_procs, math.ceil(10 * (MEMORY_BASE + SERIES_COPIES_CPU * series_gb + n_procs * per_worker)) / 10
+
+
+def sbatch_resources(node) -> str:
+    """The sbatch options a node needs under Nipype's SLURM plugin: ``--cpus-per-task`` and ``--mem`` from
+    its ``n_procs`` and ``mem_gb``, and ``--gres=gpu:1`` for a GPU node."""
+    options = f"--cpus-per-task={node.n_procs} --mem={max(1, int(round(node.mem_gb * 1024)))}M"
+    return options + (" --gres=gpu:1" if node.is_gpu_node() else "")
+
+
 def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
-                  demean=DEFAULTS["demean"], use_gpu=None, num_threads=1):
+                  demean=DEFAULTS["demean"], use_gpu=None, num_threads=1, shape=None):
     """MP-PCA denoising of one 4D series.
 
     Parameters
@@ -71,7 +117,10 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     use_gpu : bool, optional
         Run on a CUDA GPU when usable (default: when a GPU is usable here).
     num_threads : int
-        CPU worker processes for the node (Nipype's MultiProc reserves as many).
+        CPU worker processes for the node, at most (Nipype's MultiProc reserves as many).
+    shape : tuple, optional
+        The input's shape (X, Y, Z, T): the node's ``n_procs`` and ``mem_gb`` are then set from it
+        (:func:`node_resources`), so that MultiProc and the cluster plugins reserve what it needs.
 
     Inputs (``inputnode``)
     ----------------------
@@ -99,12 +148,16 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata"]), name="inputnode")
     outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "provenance"]),
                          name="outputnode")
+    use_gpu = gpu_probably_usable() if use_gpu is None else bool(use_gpu)
+    n_procs, mem_gb = num_threads, None
+    if shape is not None:
+        n_procs, mem_gb = node_resources(shape, use_gpu=use_gpu, max_procs=num_threads, extent=extent,
+                                         stride=stride)
     denoise = pe.Node(
         MPPCADenoise(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
-                     demean=demean, use_gpu=gpu_probably_usable() if use_gpu is None else bool(use_gpu),
-                     num_threads=num_threads),
-        name="denoise")
-    sidecar = pe.Node(_MetadataSidecar(), name="sidecar")
+                     demean=demean, use_gpu=use_gpu, num_threads=n_procs),
+        name="denoise", n_procs=n_procs, **({} if mem_gb is None else {"mem_gb": mem_gb}))
+    sidecar = pe.Node(_MetadataSidecar(), name="sidecar", run_without_submitting=True)
     workflow.connect([
         (inputnode, denoise, [("in_file", "in_file"), ("mask", "mask")]),
         (inputnode, sidecar, [("metadata", "metadata")]),
@@ -134,7 +187,8 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
         As for :func:`init_mppca_wf`; applied to every run.
 
     One ``init_mppca_wf`` sub-workflow per run, named after the run, each followed by a
-    :class:`mppca_nipype.bids.DerivativesSink` node.
+    :class:`mppca_nipype.bids.DerivativesSink` node. Each denoising node's ``n_procs`` and ``mem_gb`` come
+    from its input's shape (:func:`node_resources`), with ``num_threads`` as the most CPUs one may take.
     """
     from ..bids import DerivativesSink
     from ..reports import RunReport
@@ -150,7 +204,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     for run in todo:
         run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
                                estimator=estimator, aggregation=aggregation, demean=demean,
-                               use_gpu=use_gpu, num_threads=num_threads)
+                               use_gpu=use_gpu, num_threads=num_threads, shape=_series_shape(run.path))
         run_wf.inputs.inputnode.in_file = str(run.path)
         run_wf.inputs.inputnode.metadata = run.metadata
         sink = pe.Node(DerivativesSink(source_file=run.relpath, output_dir=str(output_dir)),
@@ -169,6 +223,18 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
                 (report, sink, [("figures", "figures")]),
             ])
     return workflow
+
+
+def _series_shape(path):
+    """The 4D shape from the NIfTI header (no data read); None when the header cannot be read (the node
+    then fails with the reader's message)."""
+    import nibabel as nib
+
+    try:
+        shape = nib.load(str(path)).shape
+    except Exception:  # noqa: BLE001
+        return None
+    return tuple(shape) if len(shape) == 4 else None
 
 
 def citation_text(workflow) -> str:
