@@ -44,6 +44,7 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
                                     traits)
 
 from .engine.errors import MPPCAInputError
+from .io import atomic_destination
 
 PIPELINE_NAME = "mppca-nipype"
 CODE_URL = "https://github.com/mppca-nipype/mppca-nipype"
@@ -76,18 +77,9 @@ _NIFTI = re.compile(r"(\.nii(\.gz)?)$")
 
 def write_text_atomic(path, text: str):
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    with atomic_destination(path) as tmp:
+        Path(tmp).write_text(text)
+    return Path(path)
 
 
 def _jsonable(value):
@@ -109,18 +101,9 @@ def write_json_atomic(path, obj):
 
 def copy_atomic(source, destination):
     """Copy a file so that a reader never sees it half-written."""
-    destination = Path(destination)
-    fd, tmp = tempfile.mkstemp(prefix=f".{destination.name}.", dir=destination.parent)
-    os.close(fd)
-    try:
+    with atomic_destination(destination) as tmp:
         shutil.copyfile(source, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, destination)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return destination
+    return Path(destination)
 
 
 def remove_stale_temporaries(path):

@@ -5,6 +5,7 @@ Knows nothing of the math. Every failure is raised as ``MPPCAInputError`` with o
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 import os
 from pathlib import Path
 import tempfile
@@ -87,6 +88,26 @@ def check_writable(path, what="output"):
         raise MPPCAInputError(f"cannot write the {what} {path}: it is a folder")
 
 
+@contextmanager
+def atomic_destination(path, suffix=""):
+    """A temporary file beside ``path`` for the block to write; renamed over ``path`` when the block
+    succeeds, removed when it fails, so that a reader never sees a half-written file and an interrupted run
+    leaves none behind. Its name is ``.<name>.<random><suffix>``; permissions follow the umask."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        yield tmp
+        umask = os.umask(0o022)  # mkstemp makes the file private; give it the usual permissions
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def save_like(array, reference, path, dtype=np.float32):
     """Write ``array`` with the reference image's affine and header, atomically.
 
@@ -103,16 +124,6 @@ def save_like(array, reference, path, dtype=np.float32):
     if hasattr(image.header, "set_xyzt_units"):
         image.header.set_xyzt_units(*reference.header.get_xyzt_units())
     suffix = ".nii.gz" if str(path).endswith(".nii.gz") else ".nii"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent if str(path.parent) else ".")
-    os.close(fd)
-    try:
+    with atomic_destination(path, suffix) as tmp:
         nib.save(image, tmp)
-        umask = os.umask(0o022)  # mkstemp makes the file private; give it the usual permissions
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return path
