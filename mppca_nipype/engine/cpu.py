@@ -109,12 +109,10 @@ class WindowFit:
     voxels: np.ndarray
     took_part: np.ndarray
 
-    def kept(self, windows=slice(None)):
-        """The eigenvectors of the given windows with the noise components zeroed."""
-        vectors = self.eigenvectors[windows]
-        m = vectors.shape[-1]
-        keep = np.arange(m)[None, :] >= (m - self.rank[windows])[:, None]
-        return vectors * keep[:, None, :]
+    def signal_components(self, windows=slice(None)):
+        """(B, m) mask of the components each window keeps (its ``rank`` leading eigenvectors)."""
+        m = self.eigenvectors.shape[-1]
+        return np.arange(m)[None, :] >= (m - self.rank[windows])[:, None]
 
     def reconstruct(self):
         """X_hat = X V_P V_P^T (time side) or U_P U_P^T X (voxel side), plus the means: (B, n, T)."""
@@ -131,13 +129,15 @@ class WindowFit:
         """Row ``position`` of window ``window``'s X_hat, for arrays of pairs: (V, T). Cheaper than
         ``reconstruct`` when only each patch's centre row is wanted."""
         vectors = self.eigenvectors[window]
-        kept = self.kept(window)
-        if self.time_side:  # x V_P V_P^T
-            coefficients = np.einsum("vt,vtk->vk", self.patches[window, position], kept)
-            restored = np.einsum("vk,vtk->vt", coefficients, vectors)
+        keep = self.signal_components(window)
+        if self.time_side:  # x V_P V_P^T: coefficients on the kept components, then back
+            row = self.patches[window, position]
+            coefficients = np.matmul(row[:, None, :], vectors)[:, 0] * keep
+            restored = np.matmul(vectors, coefficients[:, :, None])[:, :, 0]
         else:  # (U_P U_P^T)[c] X
-            mixing = np.einsum("vk,vnk->vn", kept[np.arange(len(window)), position], vectors)
-            restored = np.einsum("vn,vnt->vt", mixing, self.patches[window])
+            own = vectors[np.arange(len(window)), position] * keep
+            mixing = np.matmul(vectors, own[:, :, None])[:, :, 0]
+            restored = np.matmul(mixing[:, None, :], self.patches[window])[:, 0]
         if self.means is not None:
             restored += np.broadcast_to(self.means, self.patches.shape)[window, position]
         return restored
