@@ -71,6 +71,19 @@ def _block_voxels(n_volumes: int) -> int:
 # -- Gram ---------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
+                n_voxels: tl.constexpr, n_volumes: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Voxels ``start .. start + BLOCK_N`` of the window at corner row ``base``, read straight from the
+    volume: their rows (BLOCK_N,), which of them exist (BLOCK_N,) and their time courses (BLOCK_N, BLOCK_T),
+    0 past the patch or past T."""
+    i = start + tl.arange(0, BLOCK_N)
+    voxel_valid = i < n_voxels
+    row = base + tl.load(voxel_offsets_ptr + i, mask=voxel_valid, other=0)
+    x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :],
+                mask=voxel_valid[:, None] & volume_valid[None, :], other=0.0)
+    return row, voxel_valid, x
+
+@triton.jit
 def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gram_ptr, n_took_part_ptr,
                  volume_mean_ptr, n_voxels: tl.constexpr, n_volumes: tl.constexpr,
                  DEMEAN: tl.constexpr, FP64: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -90,12 +103,9 @@ def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gra
         else:
             total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
         for start in range(0, n_voxels, BLOCK_N):
-            i = start + tl.arange(0, BLOCK_N)
-            voxel_valid = i < n_voxels
-            row = base + tl.load(voxel_offsets_ptr + i, mask=voxel_valid, other=0)
+            row, voxel_valid, x = _patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
+                                              n_voxels, n_volumes, BLOCK_N)
             took = tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
-            x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :],
-                        mask=voxel_valid[:, None] & volume_valid[None, :], other=0.0)
             if FP64:
                 x = x.to(tl.float64)
             total += x * took[:, None]
@@ -105,13 +115,10 @@ def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gra
         tl.store(volume_mean_ptr + window.to(tl.int64) * n_volumes + t, volume_mean.to(tl.float32),
                  mask=volume_valid)
     for start in range(0, n_voxels, BLOCK_N):
-        i = start + tl.arange(0, BLOCK_N)
-        voxel_valid = i < n_voxels
-        row = base + tl.load(voxel_offsets_ptr + i, mask=voxel_valid, other=0)
-        took = tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
         # one chunk of the patch: BLOCK_N voxels x all volumes (non-finite voxels hold zeros)
-        x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :],
-                    mask=voxel_valid[:, None] & volume_valid[None, :], other=0.0)
+        row, voxel_valid, x = _patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
+                                          n_voxels, n_volumes, BLOCK_N)
+        took = tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
         if FP64:
             x = x.to(tl.float64)
         if DEMEAN == "voxel":
@@ -184,11 +191,9 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
             volume_mean = tl.load(volume_mean_ptr + window.to(tl.int64) * n_volumes + t, mask=volume_valid,
                                   other=0.0)
         for start in range(0, n_voxels, BLOCK_N):
-            i = start + tl.arange(0, BLOCK_N)
-            voxel_valid = i < n_voxels
-            row = base + tl.load(voxel_offsets_ptr + i, mask=voxel_valid, other=0)
+            row, voxel_valid, x = _patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
+                                              n_voxels, n_volumes, BLOCK_N)
             element_valid = voxel_valid[:, None] & volume_valid[None, :]
-            x = tl.load(volume_ptr + row[:, None] * n_volumes + t[None, :], mask=element_valid, other=0.0)
             # the patch's rows projected on its signal components, the means put back
             if DEMEAN == "voxel":
                 mean = tl.sum(x, axis=1) / n_volumes
