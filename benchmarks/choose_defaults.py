@@ -29,14 +29,12 @@ import argparse
 import json
 import math
 import os
-from pathlib import Path
 import warnings
 
 import numpy as np
 
-from cpu_peers import (DIRTY, QUICK_SHAPE, QUICK_VOLUMES, REFERENCE_SHAPE, REFERENCE_VOLUMES, REPO, Dwidenoise,
-                       log, machine_info, make_phantom, markdown_table, parse_shape, percent, pin_to_cores,
-                       run_ours, runs_label, score, timed, timing_note, warm_up_ours)
+from cpu_peers import (DIRTY, Dwidenoise, add_run_options, log, make_phantom, markdown_table, percent, run_ours,
+                       runs_label, score, start_run, timed, timing_note, warm_up_ours)
 from mppca_nipype.engine.estimators import DEMEANING  # every mode the engine has (cpu_peers put it on the path)
 
 #: A setting qualifies as a default only if it is at least this many times faster than dwidenoise.
@@ -258,19 +256,9 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2,
-                        help="cores: nprocs for ours and -nthreads for dwidenoise (default 2)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"tiny phantoms ({'x'.join(map(str, QUICK_SHAPE))}x{QUICK_VOLUMES}), one run each")
-    parser.add_argument("--phantoms", default=DEFAULT_PHANTOMS,
-                        help=f"comma-separated kind:sigma, kind lowrank or dwi (default {DEFAULT_PHANTOMS})")
-    parser.add_argument("--shape", type=parse_shape, default=None,
-                        help="phantom size X,Y,Z (default 64,64,40; --quick: 20,18,14)")
-    parser.add_argument("--volumes", type=int, default=None, help="volumes (default 48; --quick: 24)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed runs per setting and phantom, best kept (default 3; --quick: 1)")
-    parser.add_argument("--single-above", type=float, default=10.0,
-                        help="run once when the first run takes longer than this (s; default 10)")
+    add_run_options(parser, threads_help="cores: nprocs for ours and -nthreads for dwidenoise (default 2)",
+                    repeats_help="timed runs per setting and phantom, best kept (default 3; --quick: 1)",
+                    single_above=10.0, out_name="choose_defaults.json")
     parser.add_argument("--extents", type=choices(lambda e: e if e == "auto" else int(e)), default=EXTENTS,
                         help="only these extents (default auto,5,7)")
     parser.add_argument("--strides", type=choices(int), default=STRIDES, help="only these strides (default 1,2,3)")
@@ -278,20 +266,8 @@ def main(argv=None):
                         help="only these aggregations (default weighted,uniform,center)")
     parser.add_argument("--demean", type=choices(str, DEMEANING), default=DEMEANING,
                         help=f"only these demeaning modes (default {','.join(DEMEANING)})")
-    parser.add_argument("--no-pin", action="store_true",
-                        help="do not restrict the process to --threads CPUs (pinned by default)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "choose_defaults.json",
-                        help="JSON output; the Markdown goes next to it as .md")
     args = parser.parse_args(argv)
-    if args.threads < 1:
-        parser.error("--threads must be at least 1")
-    shape = args.shape or (QUICK_SHAPE if args.quick else REFERENCE_SHAPE)
-    volumes = args.volumes or (QUICK_VOLUMES if args.quick else REFERENCE_VOLUMES)
-    args.repeats = args.repeats or (1 if args.quick else 3)
-
-    pinned = [] if args.no_pin else pin_to_cores(args.threads)
-    machine = machine_info(args.threads, pinned)
-    log(f"{machine['cpu_model']}: {args.threads} threads, pinned to {pinned or 'nothing'}")
+    shape, volumes, machine = start_run(args, parser)
     phantoms = [make_phantom(spec.strip(), shape, volumes) for spec in args.phantoms.split(",")]
     warm_up_ours(args.threads)
 

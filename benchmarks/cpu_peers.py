@@ -468,39 +468,50 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2,
-                        help="cores for every method: nprocs for ours, -nthreads for dwidenoise, BLAS threads "
-                             "for DIPY and patch-denoise (default 2)")
+def add_run_options(parser, *, threads_help, repeats_help, single_above, out_name):
+    """The options every benchmark script of this folder shares (cores, sizes, repeats, pinning, output)."""
+    parser.add_argument("--threads", type=int, default=2, help=threads_help)
     parser.add_argument("--quick", action="store_true",
                         help=f"tiny phantoms ({'x'.join(map(str, QUICK_SHAPE))}x{QUICK_VOLUMES}), one run each")
-    parser.add_argument("--skip-slow", action="store_true", help="leave out DIPY and patch-denoise")
     parser.add_argument("--phantoms", default=DEFAULT_PHANTOMS,
                         help=f"comma-separated kind:sigma, kind lowrank or dwi (default {DEFAULT_PHANTOMS})")
     parser.add_argument("--shape", type=parse_shape, default=None,
                         help="phantom size X,Y,Z (default 64,64,40; --quick: 20,18,14)")
     parser.add_argument("--volumes", type=int, default=None, help="volumes (default 48; --quick: 24)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed runs per method, best kept (default 3; --quick: 1)")
-    parser.add_argument("--single-above", type=float, default=20.0,
-                        help="run a method once when its first run takes longer than this (s; default 20)")
+    parser.add_argument("--repeats", type=int, default=None, help=repeats_help)
+    parser.add_argument("--single-above", type=float, default=single_above,
+                        help=f"run once when the first run takes longer than this (s; default {single_above:g})")
     parser.add_argument("--no-pin", action="store_true",
                         help="do not restrict the process to --threads CPUs (by default it is pinned, so that "
                              "every method runs on the same cores)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cpu_peers.json",
-                        help="JSON output; the Markdown tables go next to it as .md")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / out_name,
+                        help="JSON output; the Markdown goes next to it as .md")
+
+
+def start_run(args, parser):
+    """Check the shared options, fill their size-dependent defaults, pin the process; return
+    (shape, volumes, machine) and log the machine."""
     if args.threads < 1:
         parser.error("--threads must be at least 1")
     shape = args.shape or (QUICK_SHAPE if args.quick else REFERENCE_SHAPE)
     volumes = args.volumes or (QUICK_VOLUMES if args.quick else REFERENCE_VOLUMES)
     args.repeats = args.repeats or (1 if args.quick else 3)
-
     pinned = [] if args.no_pin else pin_to_cores(args.threads)
     machine = machine_info(args.threads, pinned)
     log(f"{machine['cpu_model']}: {args.threads} threads, pinned to {pinned or 'nothing'}")
+    return shape, volumes, machine
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_options(parser, threads_help="cores for every method: nprocs for ours, -nthreads for dwidenoise, "
+                                         "BLAS threads for DIPY and patch-denoise (default 2)",
+                    repeats_help="timed runs per method, best kept (default 3; --quick: 1)", single_above=20.0,
+                    out_name="cpu_peers.json")
+    parser.add_argument("--skip-slow", action="store_true", help="leave out DIPY and patch-denoise")
+    args = parser.parse_args(argv)
+    shape, volumes, machine = start_run(args, parser)
     timing = timing_note(args.repeats, args.single_above)
     report = dict(machine=machine, timing=timing, phantoms=[])
     warm_up_ours(args.threads)
