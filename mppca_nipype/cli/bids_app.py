@@ -20,9 +20,8 @@ import sys
 import time
 import warnings
 
-from ..engine import DEFAULTS, DEVICES, MPPCAInputError, available_cpus
-from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
-from .common import exit_interrupted, fail, parse_extent, positive_int, say
+from ..engine import DEVICES, MPPCAInputError, available_cpus
+from .common import add_denoising_options, exit_interrupted, fail, positive_int, say
 
 PROG = "mppca-nipype"
 
@@ -162,18 +161,7 @@ def build_parser():
     select.add_argument("--skip-bids-validation", action="store_true",
                         help="do not check BIDS_DIR with the BIDS validator (bids-validator-deno)")
     denoising = parser.add_argument_group("denoising (as mppca-denoise)")
-    denoising.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|wide|N|X,Y,Z",
-                           help="patch size in voxels, odd (default: %(default)s)")
-    denoising.add_argument("--stride", type=positive_int, default=DEFAULTS["stride"], metavar="S",
-                           help="patch grid step; 1 centres a patch on every voxel (default: %(default)s)")
-    denoising.add_argument("--estimator", choices=ESTIMATORS, default=DEFAULTS["estimator"],
-                           help="Marchenko-Pastur noise estimator (default: %(default)s)")
-    denoising.add_argument("--aggregation", choices=AGGREGATIONS, default=DEFAULTS["aggregation"],
-                           help="how overlapping patches combine; center needs --stride 1 "
-                                "(default: %(default)s)")
-    denoising.add_argument("--demean", choices=DEMEANING, default=DEFAULTS["demean"],
-                           help="remove each voxel's temporal mean in a patch before PCA "
-                                "(default: %(default)s)")
+    add_denoising_options(denoising)
     parser.add_argument("--reports", action=argparse.BooleanOptionalAction, default=True,
                         help="write a QC report per subject (sub-<label>.html, figures under "
                              "sub-<label>/figures/) (default: on)")

@@ -244,3 +244,31 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
     return value
+
+
+def add_denoising_options(parser) -> None:
+    """The denoising options of every command (``mppca-denoise``, ``mppca-nipype``): same names, defaults
+    from the engine."""
+    from ..engine import DEFAULTS
+    from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
+
+    parser.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|wide|N|X,Y,Z",
+                        help="patch size in voxels, odd; 'auto' is the smallest odd e with e^3 >= T, capped "
+                             "at the image size (dwidenoise's rule); 'wide' is the same but at least 7 "
+                             "(default: %(default)s)")
+    parser.add_argument("--stride", type=positive_int, default=DEFAULTS["stride"], metavar="S",
+                        help="1: every voxel is the centre of its own patch (dwidenoise); S > 1: patches "
+                             "on a grid of step S plus one flush against each far edge, fewer patches and "
+                             "faster (default: %(default)s)")
+    parser.add_argument("--estimator", choices=ESTIMATORS, default=DEFAULTS["estimator"],
+                        help="Marchenko-Pastur noise estimator: exp1 (Veraart 2016) or exp2 (Cordero-Grande "
+                             "2019, dwidenoise's default) (default: %(default)s)")
+    parser.add_argument("--aggregation", choices=AGGREGATIONS, default=DEFAULTS["aggregation"],
+                        help="how overlapping patches combine: center takes each voxel from its own patch "
+                             "(needs --stride 1; dwidenoise), weighted averages the covering patches with "
+                             "weight 1/(1 + rank + 1 if demeaned), uniform averages them equally "
+                             "(default: %(default)s)")
+    parser.add_argument("--demean", choices=DEMEANING, default=DEFAULTS["demean"],
+                        help="the mean removed inside a patch before PCA (and added back after): volume, "
+                             "the patch's mean time course (DIPY's centring); voxel, each voxel's temporal "
+                             "mean; none, nothing (dwidenoise) (default: %(default)s)")

@@ -16,11 +16,9 @@ import warnings
 import numpy as np
 
 from .. import io
-from ..engine import (DEFAULTS, DEVICES, MPPCAInputError, MPPCAWarning, check_device, denoise,
-                      resolve_options)
-from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
-from .common import (ArgumentParser, ProgressBar, parse_extent, positive_int, say, staged_outputs, user_errors,
-                     warnings_as_lines)
+from ..engine import DEVICES, MPPCAInputError, MPPCAWarning, check_device, denoise, resolve_options
+from .common import (ArgumentParser, ProgressBar, add_denoising_options, positive_int, say, staged_outputs,
+                     user_errors, warnings_as_lines)
 
 PROG = "mppca-denoise"
 
@@ -62,25 +60,7 @@ def build_parser() -> ArgumentParser:
                         help="also write the 3D map of the estimated noise level (standard deviation)")
     parser.add_argument("--rank", metavar="FILE",
                         help="also write the 3D map of the number of signal components kept")
-    parser.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|wide|N|X,Y,Z",
-                        help="patch size in voxels, odd; 'auto' is the smallest odd e with e^3 >= T, capped "
-                             "at the image size (dwidenoise's rule); 'wide' is the same but at least 7 "
-                             "(default: %(default)s)")
-    parser.add_argument("--stride", type=positive_int, default=DEFAULTS["stride"], metavar="S",
-                        help="1: every voxel is the centre of its own patch (dwidenoise); S > 1: patches "
-                             "on a grid of step S plus one flush against each far edge, fewer patches and "
-                             "faster (default: %(default)s)")
-    parser.add_argument("--estimator", choices=ESTIMATORS, default=DEFAULTS["estimator"],
-                        help="Marchenko-Pastur noise estimator: exp1 (Veraart 2016) or exp2 (Cordero-Grande "
-                             "2019, dwidenoise's default) (default: %(default)s)")
-    parser.add_argument("--aggregation", choices=AGGREGATIONS, default=DEFAULTS["aggregation"],
-                        help="how overlapping patches combine: center takes each voxel from its own patch "
-                             "(needs --stride 1; dwidenoise), weighted averages the covering patches with "
-                             "weight 1/(1 + rank + 1 if demeaned), uniform averages them equally "
-                             "(default: %(default)s)")
-    parser.add_argument("--demean", choices=DEMEANING, default=DEFAULTS["demean"],
-                        help="voxel: remove each voxel's temporal mean inside a patch before PCA (and add it "
-                             "back); none: as dwidenoise (default: %(default)s)")
+    add_denoising_options(parser)
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="auto: a CUDA GPU when the GPU engine is installed and usable, else the CPU "
                              "(default: %(default)s)")
