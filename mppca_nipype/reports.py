@@ -34,6 +34,8 @@ from threadpoolctl import threadpool_limits
 
 from nipype.interfaces.base import BaseInterfaceInputSpec, File, SimpleInterface, TraitedSpec, isdefined, traits
 
+from .engine import DEFAULTS
+
 #: The figures of a run, in page order: kind -> (title, how to read it).
 FIGURES = {
     "slices": ("Input, denoised, residual",
@@ -99,8 +101,9 @@ class PatchSpectrum:
         return float(self.eigenvalues[-1]) + 4 * np.sqrt(self.gamma) * self.sigma2
 
 
-def sample_spectra(data, mask=None, *, extent="auto", stride=2, estimator="exp2", demean="voxel",
-                   n_sampled=48, n_shown=3, seed=0) -> list[PatchSpectrum]:
+def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
+                   estimator=DEFAULTS["estimator"], demean=DEFAULTS["demean"], n_sampled=48, n_shown=3,
+                   seed=0) -> list[PatchSpectrum]:
     """Fit ``n_sampled`` random patches of the run's layout; return ``n_shown`` of them (lowest, median and
     highest rank), each with its eigenvalues.
 
