@@ -29,6 +29,7 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
 from nipype.utils.filemanip import fname_presuffix
 
 from .engine import DEFAULTS
+from .engine.gpu import absent_reason, visible_devices as visible_gpus
 from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .engine.patches import EXTENT_RULES
 
@@ -44,34 +45,17 @@ def default_first(option: str, choices) -> tuple:
 def gpu_probably_usable() -> bool:
     """Whether the GPU engine can probably run here, decided cheaply (nothing is imported or initialised).
 
-    True when torch, triton and nvmath-python are installed, the package's GPU engine is present, an NVIDIA
-    device node exists and ``CUDA_VISIBLE_DEVICES`` does not hide every device. This only picks the default
-    of ``use_gpu`` (so that Nipype's MultiProc reserves a GPU slot); the engine makes the real check when it
-    runs and falls back to the CPU.
+    True when the engine's own cheap probe finds no reason against a GPU (torch and triton installed, an
+    NVIDIA device present and not hidden by ``CUDA_VISIBLE_DEVICES``) and nvmath-python is installed too.
+    This only picks the default of ``use_gpu`` (so that Nipype's MultiProc reserves a GPU slot); the engine
+    makes the real check when it runs and falls back to the CPU.
     """
     try:
-        if any(find_spec(name) is None for name in ("torch", "triton", "nvmath")):
-            return False
-        if find_spec("mppca_nipype.engine.gpu.pipeline") is None:
+        if find_spec("nvmath") is None:
             return False
     except (ImportError, ValueError):
         return False
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return (gpus.is_dir() and any(gpus.iterdir())) or Path("/dev/nvidia0").exists()
-
-
-def visible_gpus() -> list[str]:
-    """The CUDA devices this process may use, by the names CUDA knows them (indices or UUIDs), without
-    initialising CUDA: ``CUDA_VISIBLE_DEVICES`` when set (SLURM sets it for ``--gres=gpu:N``), else every
-    NVIDIA device of the machine."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [name.strip() for name in listed.split(",") if name.strip() and name.strip() != "-1"]
-    gpus = Path("/proc/driver/nvidia/gpus")
-    count = len(list(gpus.iterdir())) if gpus.is_dir() else len(list(Path("/dev").glob("nvidia[0-9]*")))
-    return [str(i) for i in range(count)]
+    return absent_reason() is None
 
 
 def _gpu_lock_dir() -> Path:

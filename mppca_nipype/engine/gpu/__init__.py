@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 import sys
 
-__all__ = ["usable", "DEMEANING"]
+__all__ = ["usable", "absent_reason", "visible_devices", "DEMEANING"]
 
 #: The demeaning modes this engine runs (the engine sends the others to the CPU).
 DEMEANING = ("none", "voxel", "volume")
@@ -24,7 +24,7 @@ def usable() -> str | None:
     warning, when the pipeline starts. Where no GPU can be present, it answers without importing torch
     (which costs seconds, more than a small CPU run).
     """
-    reason = _absent_without_importing()
+    reason = absent_reason()
     if reason:
         return reason
     try:
@@ -46,16 +46,29 @@ def usable() -> str | None:
     return None
 
 
-def _absent_without_importing() -> str | None:
+def _driver_devices() -> int:
+    """NVIDIA devices the driver shows on this machine (Linux), counted without initialising CUDA."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else len(list(Path("/dev").glob("nvidia[0-9]*")))
+
+
+def visible_devices() -> list[str]:
+    """The CUDA devices this process may use, by the names CUDA knows them (indices or UUIDs), without
+    initialising CUDA: ``CUDA_VISIBLE_DEVICES`` when set (SLURM sets it for ``--gres=gpu:N``), else every
+    NVIDIA device of the machine."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [name.strip() for name in listed.split(",") if name.strip() and name.strip() != "-1"]
+    return [str(i) for i in range(_driver_devices())]
+
+
+def absent_reason() -> str | None:
     """A reason there can be no usable GPU, found without importing torch; None when there may be one."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
         return "CUDA_VISIBLE_DEVICES hides every device"
     for package in ("torch", "triton"):
         if importlib.util.find_spec(package) is None:
             return f"{package} is not installed (pip install 'mppca-nipype[gpu]')"
-    if sys.platform.startswith("linux"):
-        nodes = Path("/proc/driver/nvidia/gpus").is_dir() or any(Path("/dev").glob("nvidia[0-9]*")) \
-            or Path("/dev/dxg").exists()  # WSL
-        if not nodes:
-            return "no NVIDIA GPU is present (no NVIDIA driver device found)"
+    if sys.platform.startswith("linux") and not (_driver_devices() or Path("/dev/dxg").exists()):  # dxg: WSL
+        return "no NVIDIA GPU is present (no NVIDIA driver device found)"
     return None
