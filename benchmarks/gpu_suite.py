@@ -48,7 +48,6 @@ from mppca_nipype.phantoms import dwi_phantom, low_rank_phantom
 SEED_OPTIONS = dict(extent=11, stride=3, estimator="exp2", aggregation="weighted", demean="voxel")
 VOLUME_OPTIONS = dict(DEFAULTS)  # the package's defaults: volume demeaning
 DWIDENOISE_OPTIONS = dict(extent=5, stride=1, estimator="exp2", aggregation="center", demean="none")
-DEFAULT_OPTIONS = dict(extent="auto", stride=2, estimator="exp2", aggregation="weighted", demean="voxel")
 
 
 def prepare(noisy, options):
@@ -110,24 +109,33 @@ def numpy_one_patch_at_a_time(data, finite, plan, options, n_patches=300):
 
 
 def eigensolver_alone(count=12_600, m=48):
-    """XsyevBatched alone on ``count`` m x m matrices, float32 and float64 (ms)."""
+    """XsyevBatched alone on ``count`` m x m matrices, float32 and float64, with eigenvectors and with the
+    eigenvalues alone (ms); and on the 442,368 matrices of dwidenoise's mode on 96x96x48x48."""
     solver = BatchedEigh("cuda")
     rows = {}
-    for dtype in (torch.float32, torch.float64):
-        a = torch.randn(count, m, 2 * m, device="cuda", dtype=dtype)
-        matrices = a @ a.mT
-        work = matrices.clone()
-        solver(work)  # warm-up: workspace
-        times = []
-        for _ in range(5):
-            work.copy_(matrices)
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            _, _, info = solver(work)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
-        assert int((info != 0).sum()) == 0
-        rows[str(dtype).replace("torch.", "")] = min(times) * 1e3
+    for count in (count, 442_368):
+        for dtype in (torch.float32, torch.float64):
+            for vectors in (True, False):
+                chunk = min(count, 16_384)  # XsyevBatched fails (INTERNAL_ERROR) on 65,536 at once
+                a = torch.randn(chunk, m, 2 * m, device="cuda", dtype=dtype)
+                matrices = a @ a.mT
+                work = matrices.clone()
+                solver(work, vectors=vectors)  # warm-up: workspace
+                times = []
+                for _ in range(3 if count > chunk else 5):
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    for _ in range(0, count, chunk):
+                        work.copy_(matrices)
+                        _, _, info = solver(work, vectors=vectors)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - started)
+                assert int((info != 0).sum()) == 0
+                key = f"{count}x{m}_{str(dtype).replace('torch.', '')}_{'vectors' if vectors else 'values_only'}"
+                rows[key] = min(times) * 1e3
+                del a, matrices, work
+                solver.release_workspaces()
+                print(key, rows[key], flush=True)
     return rows
 
 
@@ -226,6 +234,8 @@ def dwidenoise_mode(rows):
 
 
 def defaults(rows, full):
+    """(c): the package's defaults on long series, GPU against our CPU path on this machine's cores, with the
+    eigensolver's share (XsyevBatched alone on as many T x T matrices of the problem's kind)."""
     cases = [("DWI-like", (96, 96, 60) if full else (40, 40, 24), 300),
              ("fMRI-like", (64, 64, 40) if full else (28, 28, 18), 1000)]
     for name, shape, n_volumes in cases:
@@ -234,19 +244,48 @@ def defaults(rows, full):
         else:
             noisy, truth = low_rank_phantom(shape, n_volumes=n_volumes, rank=8, sigma=10.0, seed=3)
         problem = f"defaults {name} {'x'.join(map(str, shape))}x{n_volumes}"
-        data, finite, plan, options = prepare(noisy, DEFAULT_OPTIONS)
+        data, finite, plan, options = prepare(noisy, VOLUME_OPTIONS)
         print(f"{problem}: {plan.n_windows} windows of {plan.patch_size} x {n_volumes}", flush=True)
         started = time.perf_counter()
         reference, _ = finish(denoise_cpu(data, finite, plan, options), data.shape)
         cpu_seconds = time.perf_counter() - started
         rows.append(dict(problem=problem, variant=f"our CPU path, {os.cpu_count()} processes", ms=cpu_seconds * 1e3,
                          **errors(reference, reference, truth), peak_gib=0.0, n_windows=plan.n_windows))
+        print(rows[-1], flush=True)
         seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options), repeats=2)
         denoised, _ = finish(sums, data.shape)
+        m = min(plan.patch_size, n_volumes)
         rows.append(dict(problem=problem, variant=f"ours ({sums.info['gram_path']} Gram + {sums.info['eigensolver']})",
                          ms=seconds * 1e3, **errors(denoised, reference, truth), peak_gib=peak / 2**30,
-                         batch=sums.info["batch"], speedup_vs_cpu=cpu_seconds / seconds))
+                         batch=sums.info["batch"], speedup_vs_cpu=cpu_seconds / seconds,
+                         n_settled_in_float64=sums.info["n_settled_in_float64"],
+                         eigensolver_alone_ms=eigensolver_share(plan.n_windows, m, sums.info["batch"],
+                                                                sums.info["n_settled_in_float64"])))
         print(rows[-1], flush=True)
+
+
+def eigensolver_share(count, m, batch, count64):
+    """XsyevBatched alone on ``count`` random m x m matrices in float32 and ``count64`` in float64, in
+    batches of ``batch``: the eigensolver's part of a pipeline run (ms)."""
+    solver = BatchedEigh("cuda")
+    total = 0.0
+    for dtype, n in ((torch.float32, count), (torch.float64, count64)):
+        size = min(batch, n)
+        if not size:
+            continue
+        a = torch.randn(size, m, m + 8, device="cuda", dtype=dtype)
+        matrices = a @ a.mT
+        del a
+        solver(matrices.clone())
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for start in range(0, n, size):
+            solver(matrices.clone()[: min(size, n - start)].contiguous())
+        torch.cuda.synchronize()
+        total += time.perf_counter() - started
+        del matrices
+        solver.release_workspaces()
+    return total * 1e3
 
 
 def gram_kernel_alone(noisy, options):
@@ -458,7 +497,7 @@ def main():
         with open(os.path.join(args.out, "gpu_suite.json"), "w") as f:
             json.dump(report, f, indent=1)
 
-    part("e", eigensolver_alone, "xsyev_batched_alone_ms_12600x48")
+    part("e", eigensolver_alone, "xsyev_batched_alone_ms")
     part("e", eigensolvers_on_large_matrices, "eigensolver_ms_per_matrix")
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))

@@ -99,20 +99,12 @@ def gpu_slot(devices=None):
     yield first, devices[first], True
 
 
-def _out_of_memory(err: BaseException) -> bool:
-    """Whether an exception from the GPU engine means the device ran out of memory (torch's
-    OutOfMemoryError, or cuSOLVER/CUDA reporting a failed allocation)."""
-    text = f"{type(err).__name__}: {err}"
-    return ("OutOfMemoryError" in text or "out of memory" in text.lower() or "ALLOC_FAILED" in text
-            or "CUDA_ERROR_OUT_OF_MEMORY" in text)
-
-
 def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs):
     """Run the engine on a GPU when asked and usable, else on the CPU; return (result, notes, placement).
 
-    ``notes``: sentences for the provenance's warnings (the engine's, and why a GPU run ended on the CPU:
-    no usable GPU, or the device ran out of memory). ``placement``: how the run was placed
-    (``GPUAsked``, ``GPUSlot``, ``CPUFallback``). The GPU runs on the device ``gpu_slot`` gives it,
+    ``notes``: sentences for the provenance's warnings (the engine's, among them why a GPU run ended on the
+    CPU when the device ran out of memory, and ours when no GPU was usable). ``placement``: how the run was
+    placed (``GPUAsked``, ``GPUSlot``, ``CPUFallback``). The GPU runs on the device ``gpu_slot`` gives it,
     so that concurrent nodes on a machine with several GPUs each use their own.
     """
     from .engine import MPPCAInputError, MPPCAWarning, check_device, denoise
@@ -136,12 +128,10 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs):
             with gpu_slot() as slot:
                 if slot is not None:
                     placement["GPUSlot"] = dict(zip(("Index", "Device", "Shared"), slot))
-                try:
-                    return _run_pinned(run, slot), notes, placement
-                except Exception as err:  # noqa: BLE001 - only out-of-memory is recovered from
-                    if not _out_of_memory(err):
-                        raise
-                    placement["CPUFallback"] = f"the GPU ran out of memory ({' '.join(str(err).split())[:200]})"
+                result = _run_pinned(run, slot)
+            # the engine itself goes on on the CPU (with a warning) when the GPU runs out of memory
+            placement["CPUFallback"] = result.info.get("cpu_fallback")
+            return result, notes, placement
         notes.append(f"a GPU was asked for, but {placement['CPUFallback']}; ran on the CPU instead")
     return run("cpu"), notes, placement
 

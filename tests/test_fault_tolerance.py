@@ -225,26 +225,50 @@ def test_no_usable_gpu_runs_on_the_cpu_and_says_so_in_the_provenance(bids_dir, t
     np.testing.assert_allclose(nib.load(outputs.out_file).get_fdata(), expected.denoised, rtol=0, atol=1e-3)
 
 
-def test_gpu_out_of_memory_falls_back_to_the_cpu_with_a_warning(bids_dir, tmp_path, monkeypatch):
+def _gpu_backend_out_of_memory(monkeypatch):
+    """Make the engine see a usable GPU whose backend runs out of memory at every batch size (the GPU
+    pipeline's own retries with smaller batches are tested in test_gpu_kernels); returns the calls made."""
     import mppca_nipype.engine as engine
+    from mppca_nipype.engine.cpu import denoise_cpu
 
     torch = pytest.importorskip("torch")
-    real_denoise, tried = engine.denoise, []
+    tried = []
 
-    def gpu_that_runs_out(data, mask=None, *, device="auto", **options):  # the GPU engine, full device
-        if device != "cpu":
-            tried.append(device)
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real_denoise(data, mask, device=device, **options)
+    def denoise_gpu(data, finite, plan, options, **kwargs):
+        tried.append(plan.n_windows)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(engine, "check_device", lambda device: "cpu" if device == "cpu" else "cuda")
-    monkeypatch.setattr(engine, "denoise", gpu_that_runs_out)
+    monkeypatch.setattr(engine, "_backend", lambda device, options: denoise_cpu if device == "cpu" else denoise_gpu)
+    return tried
+
+
+def test_gpu_out_of_memory_goes_on_on_the_cpu_with_a_warning_or_fails_in_one_sentence(monkeypatch):
+    from mppca_nipype.engine import MPPCAInputError, MPPCAWarning, denoise
+    from mppca_nipype.phantoms import low_rank_phantom
+
+    tried = _gpu_backend_out_of_memory(monkeypatch)
+    noisy, _ = low_rank_phantom((8, 8, 6), n_volumes=16, rank=2, sigma=5.0, seed=1)
+    with pytest.warns(MPPCAWarning, match="the GPU ran out of memory even in batches of a few windows .*CUDA "
+                                          "out of memory.*; running on the CPU instead"):
+        result = denoise(noisy, device="auto", nprocs=1)
+    assert len(tried) == 1 and result.info["backend"] == "cpu"
+    assert result.info["cpu_fallback"].startswith("the GPU ran out of memory")
+    expected = denoise(noisy, device="cpu", nprocs=1)
+    np.testing.assert_array_equal(result.denoised, expected.denoised)
+    with pytest.raises(MPPCAInputError, match="ran out of memory.*; free the GPU or use device 'cpu'$"):
+        denoise(noisy, device="cuda", nprocs=1)
+
+
+def test_gpu_out_of_memory_falls_back_to_the_cpu_with_a_warning(bids_dir, tmp_path, monkeypatch):
+    tried = _gpu_backend_out_of_memory(monkeypatch)
     outputs, provenance = run_node(tmp_path, bids_dir / RUNS[0], use_gpu=True)
-    assert tried == ["auto"]
+    assert len(tried) == 1
     assert provenance["Backend"] == "cpu"
-    assert provenance["CPUFallback"].startswith("the GPU ran out of memory (CUDA out of memory.")
-    assert any("ran on the CPU instead" in w for w in provenance["Warnings"])
-    expected = real_denoise(nib.load(bids_dir / RUNS[0]).get_fdata(dtype=np.float32), device="cpu", nprocs=1)
+    assert provenance["CPUFallback"].startswith("the GPU ran out of memory even in batches of a few windows "
+                                                "(CUDA out of memory.")
+    assert any("running on the CPU instead" in w for w in provenance["Warnings"])
+    expected = denoise(nib.load(bids_dir / RUNS[0]).get_fdata(dtype=np.float32), device="cpu", nprocs=1)
     np.testing.assert_allclose(nib.load(outputs.out_file).get_fdata(), expected.denoised, rtol=0, atol=1e-3)
 
 

@@ -355,3 +355,150 @@ def test_unsettled_windows_are_redone_in_float64(kernels, monkeypatch, aggregati
     for got, want in ((settled.image, in_float64.image), (settled.sigma, in_float64.sigma),
                       (settled.rank, in_float64.rank), (settled.weight, in_float64.weight)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+class _SolverWithLittleMemory:
+    """The pipeline's eigensolver, out of memory for batches above ``limit`` windows (after the Gram
+    matrices are made, before anything is added into the sums)."""
+
+    limit = 2
+    calls: list = []
+
+    def __init__(self, device):
+        from mppca_nipype.engine.gpu.pipeline import _TorchEigh
+
+        self.inner = _TorchEigh(device)
+        self.backend = self.inner.backend
+        self.released = 0
+
+    def workspace_bytes(self, batch, m, dtype):
+        return 0
+
+    def release_workspaces(self):
+        self.released += 1
+
+    def __call__(self, matrices):
+        type(self).calls.append(len(matrices))
+        if len(matrices) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.inner(matrices)
+
+
+@interpreted
+@pytest.mark.parametrize("path, aggregation, stride", [("fused", "weighted", 2), ("gather", "weighted", 2),
+                                                       ("fused", "center", 1)])
+def test_out_of_memory_batches_are_redone_smaller_with_the_same_result(kernels, monkeypatch, path,
+                                                                       aggregation, stride):
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=4)
+    data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
+                                              aggregation=aggregation, demean="volume")
+    reference = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path=path, max_batch=2,
+                                     settle=False)
+    monkeypatch.setattr(pipeline, "BatchedEigh", _SolverWithLittleMemory)
+    monkeypatch.setattr(pipeline, "MIN_BATCH", 1)
+    _SolverWithLittleMemory.calls = []
+    retried = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path=path, max_batch=16,
+                                   settle=False)
+    assert plan.n_windows > 16
+    assert _SolverWithLittleMemory.calls[:3] == [16, 8, 4]  # halved until it fits, then kept small
+    assert set(_SolverWithLittleMemory.calls[3:]) <= {2, plan.n_windows % 2}
+    assert retried.info["out_of_memory_retries"] == 3 and retried.info["batch"] == 2
+    for got, want in ((retried.image, reference.image), (retried.weight, reference.weight),
+                      (retried.sigma, reference.sigma), (retried.rank, reference.rank)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@interpreted
+def test_out_of_memory_at_the_smallest_batch_goes_up(kernels, monkeypatch):
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy, _ = low_rank_phantom((6, 5, 5), n_volumes=12, rank=2, sigma=5.0, seed=5)
+    data, _, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2",
+                                              aggregation="weighted", demean="volume")
+    monkeypatch.setattr(pipeline, "BatchedEigh", _SolverWithLittleMemory)
+    monkeypatch.setattr(pipeline, "MIN_BATCH", 4)
+    with pytest.raises(torch.OutOfMemoryError):
+        pipeline.denoise_gpu(data, finite, plan, options, device="cpu", max_batch=16)
+
+
+def test_run_in_batches_only_retries_out_of_memory():
+    from mppca_nipype.engine.gpu.pipeline import run_in_batches
+
+    def broken(a, b):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run_in_batches(100, 50, broken, min_batch=1)
+    done = []
+    results, step, retries = run_in_batches(10, 4, lambda a, b: (a, b), on_batch=done.append)
+    assert results == [(0, 4), (4, 8), (8, 10)] and step == 4 and retries == 0 and done == [4, 8, 10]
+
+
+@interpreted
+@pytest.mark.parametrize("path, aggregation, stride, planes", [
+    ("fused", "weighted", 2, 1), ("fused", "weighted", 3, 2), ("gather", "uniform", 2, 3),
+    ("fused", "center", 1, 2), ("gather", "center", 1, 1)])
+def test_slabs_with_a_halo_give_what_one_slab_gives(kernels, path, aggregation, stride, planes):
+    """A series cut into slabs of a few x-planes (as when it does not fit the device): the halo's sums are
+    carried from slab to slab, so every voxel ends with the same values; with a mask and NaN voxels."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu, plan_slabs
+
+    noisy, _ = low_rank_phantom((9, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=8)
+    noisy[4, 3, 1, 5] = np.nan
+    mask = np.zeros(noisy.shape[:3], bool)
+    mask[1:8, 1:5, 0:4] = True
+    data, mask, finite, plan, options = prepared(noisy, mask, extent=(3, 3, 5), stride=stride, estimator="exp2",
+                                                 aggregation=aggregation, demean="volume")
+    slabs = plan_slabs(plan, planes)
+    assert len(slabs) > 2 and slabs[-1].windows.stop == plan.n_windows and slabs[-1].done == 9
+    assert all(a.windows.stop == b.windows.start and a.done == b.first for a, b in zip(slabs, slabs[1:]))
+    whole = denoise_gpu(data, finite, plan, options, device="cpu", path=path)
+    cut = denoise_gpu(data, finite, plan, options, device="cpu", path=path, planes=planes)
+    assert whole.info["n_slabs"] == 1 and cut.info["n_slabs"] == len(slabs)
+    for got, want in ((cut.image, whole.image), (cut.weight, whole.weight), (cut.sigma, whole.sigma),
+                      (cut.rank, whole.rank)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    served = whole.weight > 0
+    assert served.sum() >= mask.sum() - 1 and np.abs(whole.image[served]).min() > 100  # real values compared
+
+
+class _SolverThatFailsSomeWindows:
+    """The pipeline's eigensolver reporting ``info != 0`` for every third matrix of each batch (a failed
+    eigensolve, in float32 and float64 alike)."""
+
+    def __init__(self, device):
+        from mppca_nipype.engine.gpu.pipeline import _TorchEigh
+
+        self.inner = _TorchEigh(device)
+        self.backend = self.inner.backend
+
+    def workspace_bytes(self, batch, m, dtype):
+        return 0
+
+    def release_workspaces(self):
+        pass
+
+    def __call__(self, matrices):
+        values, vectors, info = self.inner(matrices)
+        info[::3] = 1
+        values[::3] *= 3.7  # what a failed solve returns must not be used
+        return values, vectors, info
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride, planes", [("weighted", 2, None), ("center", 1, None),
+                                                         ("weighted", 3, 2), ("center", 1, 2)])
+def test_windows_whose_eigensolve_fails_are_redone_on_the_cpu(kernels, monkeypatch, aggregation, stride, planes):
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=9)
+    data, mask, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
+                                                 aggregation=aggregation, demean="volume")
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    monkeypatch.setattr(pipeline, "BatchedEigh", _SolverThatFailsSomeWindows)
+    gpu = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", max_batch=7, planes=planes)
+    # a third failed in float32 and went to float64, where a third of those failed again
+    assert gpu.info["n_settled_in_float64"] >= plan.n_windows // 3 and gpu.info["n_redone_on_cpu"] >= 2
+    assert_same_denoising(cpu, gpu, mask)

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from .errors import MPPCAInputError, MPPCAWarning
+from .errors import MPPCAInputError, MPPCAWarning, is_out_of_memory
 from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
@@ -198,7 +198,19 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
             f"fewer than {FEW_SAMPLES} of either", MPPCAWarning, stacklevel=2)
 
     backend = _backend(device, options)
-    sums = backend(data, finite, plan, options, nprocs=nprocs, progress=progress)
+    try:
+        sums = backend(data, finite, plan, options, nprocs=nprocs, progress=progress)
+    except Exception as err:  # noqa: BLE001 - only the GPU running out of memory is recovered from
+        from .cpu import denoise_cpu
+
+        if backend is denoise_cpu or not is_out_of_memory(err):
+            raise
+        reason = f"the GPU ran out of memory even in batches of a few windows ({_first_line(err)})"
+        if device == "cuda":
+            raise MPPCAInputError(f"{reason}; free the GPU or use device 'cpu'") from None
+        warnings.warn(f"{reason}; running on the CPU instead", MPPCAWarning, stacklevel=2)
+        sums = denoise_cpu(data, finite, plan, options, nprocs=nprocs, progress=progress)
+        sums.info["cpu_fallback"] = reason
     result = _finish(raw, mask, finite, sums)
     result.info.update(sums.info)
     result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
@@ -206,6 +218,11 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
                             n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
                             n_nonfinite_voxels=n_nonfinite))
     return result
+
+
+def _first_line(err: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters (for a warning or the provenance)."""
+    return " ".join(str(err).split())[:200]
 
 
 def _finite_voxels(data) -> np.ndarray:

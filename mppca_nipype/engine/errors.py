@@ -7,3 +7,12 @@ class MPPCAWarning(UserWarning):
 
 class MPPCAInputError(ValueError):
     """The input cannot be denoised as asked. The message is one sentence meant for the user."""
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether an exception from the GPU engine means the device ran out of memory: torch's
+    OutOfMemoryError, or cuSOLVER/CUDA reporting a failed allocation (told apart by their text, so that
+    this needs neither torch nor nvmath to answer)."""
+    text = f"{type(err).__name__}: {err}"
+    return ("OutOfMemoryError" in text or "out of memory" in text.lower() or "ALLOC_FAILED" in text
+            or "CUDA_ERROR_OUT_OF_MEMORY" in text)

@@ -18,7 +18,7 @@ import torch
 from ..errors import MPPCAWarning
 
 _CUDA_DATA_TYPE = {torch.float32: 0, torch.float64: 1}  # cudaDataType: CUDA_R_32F, CUDA_R_64F
-_EIG_MODE_VECTOR = 1  # cusolverEigMode_t: CUSOLVER_EIG_MODE_VECTOR
+_EIG_MODE_NOVECTOR, _EIG_MODE_VECTOR = 0, 1  # cusolverEigMode_t
 _FILL_MODE_LOWER = 0  # cublasFillMode_t: CUBLAS_FILL_MODE_LOWER (the matrices are full, either half works)
 
 
@@ -38,7 +38,8 @@ class BatchedEigh:
 
     ``solver(matrices)`` takes a contiguous (B, m, m) float32/float64 tensor, overwrites it, and returns
     ``(eigenvalues (B, m) ascending, eigenvectors (B, m, m) as columns, info (B,) int32 on the device)``.
-    ``info`` is 0 where the solver converged.
+    ``info`` is 0 where the solver converged. ``solver(matrices, vectors=False)`` computes the eigenvalues
+    alone (the eigenvectors come back None).
     """
 
     def __init__(self, device):
@@ -60,6 +61,10 @@ class BatchedEigh:
             self._params = cusolver.create_params()
         self._cusolver = cusolver
         self.backend = "cusolverDnXsyevBatched"
+
+    def release_workspaces(self):
+        """Forget the cached workspaces (after running out of memory: smaller batches need smaller ones)."""
+        self._workspaces.clear()
 
     def close(self):
         if self._cusolver is not None:
@@ -83,41 +88,45 @@ class BatchedEigh:
         device_bytes, _ = self._buffer_size(probe, values, batch)
         return int(device_bytes)
 
-    def _buffer_size(self, matrices, values, batch):
+    def _buffer_size(self, matrices, values, batch, mode=_EIG_MODE_VECTOR):
         code = _CUDA_DATA_TYPE[matrices.dtype]
         m = matrices.shape[-1]
         return self._cusolver.xsyev_batched_buffer_size(
-            self._handle, self._params, _EIG_MODE_VECTOR, _FILL_MODE_LOWER, m, code, matrices.data_ptr(), m,
+            self._handle, self._params, mode, _FILL_MODE_LOWER, m, code, matrices.data_ptr(), m,
             code, values.data_ptr(), code, batch)
 
-    def _workspace(self, matrices, values):
-        """Device and host workspaces for this (batch, m, dtype), allocated once and kept."""
+    def _workspace(self, matrices, values, mode):
+        """Device and host workspaces for this (batch, m, dtype, mode), allocated once and kept."""
         batch, m = matrices.shape[0], matrices.shape[-1]
-        key = (batch, m, matrices.dtype)
+        key = (batch, m, matrices.dtype, mode)
         if key not in self._workspaces:
-            device_bytes, host_bytes = self._buffer_size(matrices, values, batch)
+            device_bytes, host_bytes = self._buffer_size(matrices, values, batch, mode)
             on_device = torch.empty(max(int(device_bytes), 1), dtype=torch.uint8, device=self.device)
             on_host = torch.empty(max(int(host_bytes), 1), dtype=torch.uint8)
             self._workspaces[key] = (on_device, int(device_bytes), on_host, int(host_bytes))
         return self._workspaces[key]
 
-    def __call__(self, matrices):
+    def __call__(self, matrices, vectors=True):
         if matrices.ndim != 3 or matrices.shape[1] != matrices.shape[2] or not matrices.is_contiguous():
             raise ValueError("matrices must be a contiguous (B, m, m) tensor")
         if matrices.dtype not in _CUDA_DATA_TYPE:
             raise ValueError(f"matrices must be float32 or float64, not {matrices.dtype}")
         batch, m = matrices.shape[0], matrices.shape[-1]
         if self._cusolver is None:
-            values, vectors = torch.linalg.eigh(matrices)
-            return values, vectors, torch.zeros(batch, dtype=torch.int32, device=matrices.device)
+            if not vectors:
+                values = torch.linalg.eigvalsh(matrices)
+                return values, None, torch.zeros(batch, dtype=torch.int32, device=matrices.device)
+            values, eigenvectors = torch.linalg.eigh(matrices)
+            return values, eigenvectors, torch.zeros(batch, dtype=torch.int32, device=matrices.device)
+        mode = _EIG_MODE_VECTOR if vectors else _EIG_MODE_NOVECTOR
         values = torch.empty((batch, m), dtype=matrices.dtype, device=self.device)
         info = torch.empty(batch, dtype=torch.int32, device=self.device)
-        on_device, device_bytes, on_host, host_bytes = self._workspace(matrices, values)
+        on_device, device_bytes, on_host, host_bytes = self._workspace(matrices, values, mode)
         code = _CUDA_DATA_TYPE[matrices.dtype]
         self._cusolver.set_stream(self._handle, torch.cuda.current_stream(self.device).cuda_stream)
         self._cusolver.xsyev_batched(
-            self._handle, self._params, _EIG_MODE_VECTOR, _FILL_MODE_LOWER, m, code, matrices.data_ptr(), m,
+            self._handle, self._params, mode, _FILL_MODE_LOWER, m, code, matrices.data_ptr(), m,
             code, values.data_ptr(), code, on_device.data_ptr(), device_bytes, on_host.data_ptr(), host_bytes,
             info.data_ptr(), batch)
         # cuSOLVER is column-major: in this row-major tensor each eigenvector is a row
-        return values, matrices.mT, info
+        return values, (matrices.mT if vectors else None), info

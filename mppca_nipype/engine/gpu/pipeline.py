@@ -32,10 +32,17 @@ float64 on the device.
 
 Windows whose eigensolve did not converge in the last pass are redone on the CPU with the CPU backend's own
 functions and added to the sums.
+
+Out of memory: the batch size comes from the free device memory, but the memory can be taken by another
+process meanwhile, or a workspace can outgrow the estimate. A batch that runs out is redone at half the
+size (``run_in_batches``), down to ``MIN_BATCH`` windows; then the error goes up (``denoise(device="auto")``
+then runs on the CPU, with a warning). A retry is safe because a batch allocates everything it needs before
+it adds anything into the sums.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import time
 
 import numpy as np
@@ -49,6 +56,8 @@ from .eigh import BatchedEigh
 MAX_BATCH = 16384
 #: Share of the free device memory that one batch's buffers may take.
 MEMORY_SHARE = 0.5
+#: Smallest batch an out-of-memory retry goes down to (below it the GPU would gain nothing over the CPU).
+MIN_BATCH = 64
 #: How far (in float32 roundings of the largest eigenvalue) the eigenvalues may move before a window's rank
 #: counts as unsettled in float32 and is redone in float64 (see ``unsettled_ranks``).
 SETTLE_SLACK = 10.0
@@ -82,29 +91,89 @@ def batch_size(device, n_windows, n_voxels, n_volumes, dtype, fused, solver, max
     return int(max(1, min(cap, MEMORY_SHARE * free // per_window)))
 
 
-def _upload(array, device):
-    """Host -> device. A NumPy array is pinned in place for the copy (no CPU copy into a staging buffer);
-    returns the device tensor and a function to call once the copy is done."""
-    host = torch.from_numpy(array)
-    if device.type != "cuda":
-        return host, lambda: None
+def run_in_batches(n_items, step, run, *, min_batch=None, on_batch=None, on_retry=None):
+    """``run(a, b)`` over consecutive ranges of ``n_items`` items, ``step`` at a time; returns the results in
+    order, the last step used and the number of out-of-memory retries.
+
+    A range that runs out of device memory is redone at half the step (the step stays small for the rest),
+    after ``on_retry()`` (to drop caches) and torch's cached memory is handed back; at ``min_batch`` (default
+    ``MIN_BATCH``) the error goes up. ``run`` must allocate all it needs before it changes anything, so that a range can be redone.
+    ``on_batch(b)`` after each range.
+    """
+    from ..errors import is_out_of_memory
+
+    min_batch = MIN_BATCH if min_batch is None else min_batch
+    results, start, retries = [], 0, 0
+    while start < n_items:
+        stop = min(start + step, n_items)
+        try:
+            results.append(run(start, stop))
+        except Exception as err:  # noqa: BLE001 - only out-of-memory is recovered from
+            if not is_out_of_memory(err) or step <= min_batch:
+                raise
+            step, retries = max(min_batch, step // 2), retries + 1
+            if on_retry:
+                on_retry()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        start = stop
+        if on_batch:
+            on_batch(stop)
+    return results, step, retries
+
+
+def _pin(array):
+    """Page-lock a NumPy array in place for fast, asynchronous copies to the device (no CPU copy into a
+    staging buffer); returns whether that worked and the function that undoes it."""
     try:
         cudart = torch.cuda.cudart()
-        code = cudart.cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
-        registered = int(getattr(code, "value", code)) == 0
+        code = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+        if int(getattr(code, "value", code)) == 0:
+            return True, lambda: cudart.cudaHostUnregister(array.ctypes.data)
     except Exception:
-        registered = False
-    on_device = host.to(device, non_blocking=registered)
-    if not registered:
-        return on_device, lambda: None
-    return on_device, lambda: cudart.cudaHostUnregister(host.data_ptr())
+        pass
+    return False, lambda: None
 
 
-def _download(tensor):
-    """Device -> pinned host memory (25x faster than into pageable memory); returns the NumPy view."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-    host.copy_(tensor, non_blocking=tensor.is_cuda)
-    return host
+@dataclass(frozen=True)
+class Slab:
+    """A run of the plan's windows (``windows``, by corner x) and the x-planes they touch: from ``first`` to
+    ``stop`` (exclusive; the corners' planes and the extent's halo). After them the planes below ``done``
+    are final: no later window reaches them."""
+
+    windows: slice
+    first: int
+    stop: int
+    done: int
+
+
+def plan_slabs(plan, planes: int) -> list[Slab]:
+    """Cut the plan into slabs whose windows have their corners in ``planes`` consecutive x-planes."""
+    nx, ex = plan.spatial_shape[0], plan.extent[0]
+    corner_x = plan.window_corner[:, 0]
+    slabs = []
+    for first in range(0, nx, max(1, int(planes))):
+        done = min(first + max(1, int(planes)), nx)
+        w0, w1 = np.searchsorted(corner_x, [first, done])
+        slabs.append(Slab(slice(int(w0), int(w1)), first, min(done + ex - 1, nx), done))
+    return slabs
+
+
+def slab_planes(device, plan, n_volumes: int) -> int:
+    """x-planes of window corners per slab: all of them when the whole series and its sums take at most half
+    of ``MEMORY_SHARE`` of the free device memory (the batches get the rest), else as many as fit there
+    with the halo and the next slab's upload beside them."""
+    nx, ny, nz = plan.spatial_shape
+    if device.type != "cuda":
+        return nx
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = MEMORY_SHARE * free / 2
+    whole = nx * ny * nz * (8 * n_volumes + 20)  # series + finite, image + weight/sigma/rank sums
+    if whole <= budget:
+        return nx
+    per_plane = ny * nz * (12 * n_volumes + 24)  # and the next slab's series and finite rows
+    return max(1, int(budget // per_plane) - (plan.extent[0] - 1))
 
 
 def _gather_gram(volume, finite, window_base, voxel_offsets, demean, dtype, time_side):
@@ -146,24 +215,29 @@ def unsettled_ranks(values, n_voxels, n_volumes, estimator, rank, slack):
 
 
 def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, device=None, path="auto",
-                eigensolver="auto", precision="auto", max_batch=None, normalize=True, settle=True):
+                eigensolver="auto", precision="auto", max_batch=None, normalize=True, settle=True, planes=None):
     """Run the plan on a CUDA device and return the per-voxel values (``engine.PatchSums``).
 
     With ``normalize`` (the default) the sums are divided by the weights on the device and come back
     ``normalized`` (the engine's host-side division of the (V, T) sums cost more than this whole backend);
-    not when windows had to be redone on the CPU (their sums are added on the host), or with
-    ``normalize=False``.
+    ``normalize=False`` returns the sums.
 
     A float32 run (voxel or volume demeaning) ends with a second pass in float64 over the windows whose rank
     float32 could not settle (``unsettled_ranks``: 2-11% of the windows of low-rank phantoms, 31-54% of a
     DWI-like T = 300 crop, on the H200) and those whose eigensolve failed; ``settle=False`` leaves it out
     (to measure float32 alone).
 
+    A series whose data and sums do not fit the device runs in slabs along x (``slab_planes``, ``Slab``):
+    each slab's rows are uploaded (the next slab's on a second stream while this one computes), its
+    windows run, the rows no later window reaches are divided and downloaded, and the sums of the halo
+    (the last extent - 1 planes) are carried into the next slab. One slab when everything fits.
+
     Parameters beyond ``cpu.denoise_cpu``'s (all optional; for tests and benchmarks):
     ``device`` (default "cuda"; "cpu" runs the same kernels under TRITON_INTERPRET=1), ``path``
     ("auto", "fused" or "gather": how the Gram and reconstruction are computed), ``eigensolver`` ("auto" or
-    "torch"), ``precision`` ("auto", "float32", "float64": of the Gram and eigensolver), ``max_batch``.
-    ``nprocs`` is used only for CPU redos of failed eigensolves.
+    "torch"), ``precision`` ("auto", "float32", "float64": of the Gram and eigensolver), ``max_batch``,
+    ``planes`` (x-planes of window corners per slab; default from the free memory).
+    ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process.
     """
     from .. import PatchSums
 
@@ -171,59 +245,216 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     device = torch.device(device or "cuda")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    n_voxels_total = int(np.prod(data.shape[:3]))
     n_volumes = data.shape[3]
-    n_voxels = plan.patch_size
-    demean = options.demean
-    center = options.aggregation == "center"
-    dtype = gram_precision(options, precision)
-    time_side = n_voxels >= n_volumes
-    fused = path == "fused" or (path == "auto" and kernels.fused_fits(n_voxels, n_volumes, dtype))
-    if fused and not kernels.fused_fits(n_voxels, n_volumes, dtype):
-        raise ValueError(f"the fused kernels do not take n={n_voxels}, T={n_volumes} in {dtype}")
-    settle = settle and dtype == torch.float32
+    host_volume = np.ascontiguousarray(data.reshape(-1, n_volumes))
+    host_finite = np.ascontiguousarray(finite.reshape(-1), dtype=np.float32)
+    pinned, unpin = _pin(host_volume) if device.type == "cuda" else (False, lambda: None)
+    run = _PlanRun(plan, options, device, path, precision, max_batch, settle, eigensolver)
+    slabs = plan_slabs(plan, planes or slab_planes(device, plan, n_volumes))
+    on_gpu = device.type == "cuda"
+    outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=on_gpu)
+               for shape in ((len(host_volume), n_volumes),) + ((len(host_volume),),) * 3]
+    copies = torch.cuda.Stream(device) if on_gpu and len(slabs) > 1 else None
+    plane = plan.spatial_shape[1] * plan.spatial_shape[2]
 
-    volume, release_volume = _upload(np.ascontiguousarray(data.reshape(n_voxels_total, n_volumes)), device)
-    finite_flat = torch.from_numpy(finite.reshape(n_voxels_total).astype(np.float32)).to(device)
-    window_base = torch.from_numpy(plan.window_base()).to(device)
-    voxel_offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).to(device)
-    multiplicity = torch.from_numpy(plan.multiplicity.astype(np.float64)).to(device)
-    if center:
-        centre_voxel = torch.from_numpy(plan.centre_voxel.astype(np.int64)).to(device)
-        centre_window = torch.from_numpy(plan.centre_window.astype(np.int32)).to(device)
-        centre_position = torch.from_numpy(plan.centre_position.astype(np.int64)).to(device)
+    def upload(slab):
+        """The slab's series and finite flags on the device (on the copy stream when there are several
+        slabs, with the event that says the copy is done)."""
+        rows = slice(slab.first * plane, slab.stop * plane)
+        host = torch.from_numpy(host_volume[rows]), torch.from_numpy(host_finite[rows])
+        if copies is None:
+            return tuple(x.to(device, non_blocking=pinned) for x in host), None
+        with torch.cuda.stream(copies):
+            on_device = tuple(x.to(device, non_blocking=pinned) for x in host)
+            ready = torch.cuda.Event()
+            ready.record(copies)
+        return on_device, ready
 
-    image = torch.zeros((n_voxels_total, n_volumes), dtype=torch.float32, device=device)
-    weight = torch.zeros(n_voxels_total, dtype=torch.float32, device=device)
-    sigma = torch.zeros_like(weight)
-    rank = torch.zeros_like(weight)
-    solver = BatchedEigh(device) if eigensolver == "auto" else _TorchEigh(device)
+    carried, done_windows = None, 0
+    report = (lambda done: progress(done_windows + done, plan.n_windows)) if progress else None
+    try:
+        uploaded = upload(slabs[0])
+        for number, slab in enumerate(slabs):
+            (volume, finite_rows), ready = uploaded
+            if number + 1 < len(slabs):
+                uploaded = upload(slabs[number + 1])  # overlaps this slab's work
+            if ready is not None:
+                stream = torch.cuda.current_stream(device)
+                stream.wait_event(ready)
+                volume.record_stream(stream)
+                finite_rows.record_stream(stream)
+            sums = _SlabSums(len(finite_rows), n_volumes, device, carried)
+            run.slab(slab, volume, finite_rows, sums, report, data, finite)
+            done_windows = slab.windows.stop
+            final = (slab.done - slab.first) * plane
+            carried = sums.tail(final)
+            if normalize:
+                sums.divide(final)
+            first = slab.first * plane
+            for host, values in zip(outputs, sums.tensors()):
+                host[first:first + final].copy_(values[:final], non_blocking=on_gpu)
+        if on_gpu:
+            torch.cuda.current_stream(device).synchronize()
+            peak = torch.cuda.max_memory_allocated(device)
+            device_name = torch.cuda.get_device_name(device)
+        else:
+            peak, device_name = 0, "cpu (Triton interpreter)"
+    finally:
+        unpin()
+    image, weight, sigma, rank = (x.numpy() for x in outputs)
+    return PatchSums(image, weight, sigma, rank, normalized=normalize,
+                     info=dict(backend="gpu", device=device_name, eigensolver=run.solver.backend,
+                               gram_precision=str(run.dtype).replace("torch.", ""),
+                               gram_path="fused" if run.fused else "gather", batch=run.step,
+                               out_of_memory_retries=run.retries, n_slabs=len(slabs),
+                               n_settled_in_float64=run.n_settled, n_redone_on_cpu=run.n_redone_on_cpu,
+                               gpu_peak_bytes=int(peak), seconds_engine=time.perf_counter() - started))
 
-    def run_batch(windows, dtype, fused, settle):
-        """Gram -> eigensolver -> threshold -> reconstruction of a batch of windows: a slice of the plan's
+
+class _SlabSums:
+    """The per-voxel sums of one slab's rows on the device: image (rows, T), weight, sigma and rank (rows,),
+    starting from the halo sums the previous slab ``carried`` into its first rows."""
+
+    def __init__(self, n_rows, n_volumes, device, carried=None):
+        self.image = torch.zeros((n_rows, n_volumes), dtype=torch.float32, device=device)
+        self.weight, self.sigma, self.rank = (torch.zeros(n_rows, dtype=torch.float32, device=device)
+                                              for _ in range(3))
+        if carried is not None:
+            for sums, values in zip(self.tensors(), carried):
+                sums[:len(values)] = values
+
+    def tensors(self):
+        return self.image, self.weight, self.sigma, self.rank
+
+    def tail(self, start):
+        """The sums of rows ``start`` on (the halo a next slab goes on adding into), or None if there are none."""
+        return tuple(x[start:].clone() for x in self.tensors()) if start < len(self.weight) else None
+
+    def divide(self, stop):
+        """Values instead of sums in rows before ``stop``: 0 where no patch served the voxel (its sums are 0)."""
+        weight = self.weight[:stop]
+        divisor = torch.where(weight > 0, weight, torch.ones_like(weight))
+        self.image[:stop] /= divisor[:, None]
+        self.sigma[:stop] /= divisor
+        self.rank[:stop] /= divisor
+
+    def add(self, rows, image, weight, sigma, rank, replace=False):
+        """Add host-computed values into rows (or, with ``replace``, write them: centre aggregation)."""
+        for sums, values in zip(self.tensors(), (image, weight, sigma, rank)):
+            values = torch.from_numpy(np.asarray(values, dtype=np.float32)).to(sums.device)
+            index = torch.from_numpy(rows).to(sums.device)
+            if replace:
+                sums[index] = values
+            else:
+                sums.index_add_(0, index, values)
+
+
+class _PlanRun:
+    """What stays the same across the slabs and batches of one run: the plan, options, precision, path and
+    eigensolver, the patch geometry on the device; and what the run learns (batch size, retries, counts)."""
+
+    def __init__(self, plan, options, device, path, precision, max_batch, settle, eigensolver):
+        self.plan, self.options, self.device, self.path, self.max_batch = plan, options, device, path, max_batch
+        self.demean, self.center = options.demean, options.aggregation == "center"
+        self.dtype = gram_precision(options, precision)
+        self.solver = BatchedEigh(device) if eigensolver == "auto" else _TorchEigh(device)
+        self.settle = settle and self.dtype == torch.float32
+        self.window_base = plan.window_base()
+        self.voxel_offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).to(device)
+        self.step, self.retries, self.n_settled, self.n_redone_on_cpu = 0, 0, 0, 0
+        self.fused = None
+
+    def slab(self, slab, volume, finite, sums, report, data, finite_host):
+        """All the windows of one slab: a first pass in the Gram precision, then (float32) the windows it
+        could not settle and those whose eigensolve failed in float64, then what failed again on the CPU."""
+        plan, n_volumes, n_voxels = self.plan, volume.shape[1], self.plan.patch_size
+        if self.fused is None:
+            self.fused = self.path == "fused" or (self.path == "auto"
+                                                  and kernels.fused_fits(n_voxels, n_volumes, self.dtype))
+            if self.fused and not kernels.fused_fits(n_voxels, n_volumes, self.dtype):
+                raise ValueError(f"the fused kernels do not take n={n_voxels}, T={n_volumes} in {self.dtype}")
+        w0, w1 = slab.windows.start, slab.windows.stop
+        if w1 == w0:
+            return
+        row0 = slab.first * plan.spatial_shape[1] * plan.spatial_shape[2]
+        context = _SlabContext(self, slab, volume, finite, sums, row0)
+        step = self.step or batch_size(self.device, w1 - w0, n_voxels, n_volumes, self.dtype, self.fused,
+                                       self.solver, self.max_batch)
+        verdicts, self.step, retries = run_in_batches(
+            w1 - w0, step, lambda a, b: context.batch(slice(a, b), self.dtype, self.fused, self.settle),
+            on_batch=report, on_retry=self.solver.release_workspaces)
+        self.retries += retries
+
+        # one look at the verdicts, after all the work is queued
+        redo = torch.cat([info for info, _ in verdicts]) != 0
+        if self.settle:
+            redo |= torch.cat([left for _, left in verdicts])
+        redo = torch.nonzero(redo).reshape(-1).cpu().numpy()
+        failed = redo
+        if self.settle and len(redo):
+            self.n_settled += len(redo)
+            fused64 = self.path != "gather" and kernels.fused_fits(n_voxels, n_volumes, torch.float64)
+            step64 = batch_size(self.device, len(redo), n_voxels, n_volumes, torch.float64, fused64,
+                                self.solver, self.max_batch)
+            verdicts, _, retries = run_in_batches(
+                len(redo), step64, lambda a, b: context.batch(redo[a:b], torch.float64, fused64, False),
+                on_retry=self.solver.release_workspaces)
+            self.retries += retries
+            failed = redo[torch.nonzero(torch.cat([info for info, _ in verdicts]) != 0).reshape(-1).cpu().numpy()]
+        if len(failed):
+            self.n_redone_on_cpu += len(failed)
+            rows, values, replace = _cpu_contributions(data, finite_host, plan, self.options, failed + w0)
+            sums.add(rows - row0, *values, replace=replace)
+
+
+class _SlabContext:
+    """One slab's windows on the device: their corner rows within the slab, multiplicities, centres."""
+
+    def __init__(self, run, slab, volume, finite, sums, row0):
+        device, plan = run.device, run.plan
+        self.run, self.volume, self.finite, self.sums = run, volume, finite, sums
+        windows = slab.windows
+        self.base = torch.from_numpy(run.window_base[windows] - row0).to(device)
+        self.multiplicity = torch.from_numpy(plan.multiplicity[windows].astype(np.float64)).to(device)
+        if run.center:
+            a, b = np.searchsorted(plan.centre_window, [windows.start, windows.stop])
+            self.centre_window_host = plan.centre_window[a:b] - windows.start
+            self.centre_voxel = torch.from_numpy((plan.centre_voxel[a:b] - row0).astype(np.int64)).to(device)
+            self.centre_window = torch.from_numpy(self.centre_window_host.astype(np.int32)).to(device)
+            self.centre_position = torch.from_numpy(plan.centre_position[a:b].astype(np.int64)).to(device)
+
+    def batch(self, windows, dtype, fused, settle):
+        """Gram -> eigensolver -> threshold -> reconstruction of a batch of the slab's windows: a slice
         (first pass) or a sorted array of their indices (second pass). Returns the solver's ``info`` and, with
-        ``settle``, the windows left unsettled (given weight 0 here); all on the device, no synchronisation."""
+        ``settle``, the windows left unsettled (given weight 0 here); all on the device, no synchronisation.
+        Everything is allocated before anything is added into the sums (an out-of-memory retry is safe)."""
+        run, device, volume, finite, sums = self.run, self.run.device, self.volume, self.finite, self.sums
+        options, demean, n_volumes = run.options, run.demean, volume.shape[1]
         if isinstance(windows, slice):
-            base, batch_multiplicity = window_base[windows], multiplicity[windows]
-            if center:
-                a, b = np.searchsorted(plan.centre_window, [windows.start, windows.stop])
-                centres = (centre_voxel[a:b], centre_window[a:b] - windows.start, centre_position[a:b])
+            base, batch_multiplicity = self.base[windows], self.multiplicity[windows]
+            if run.center:
+                a, b = np.searchsorted(self.centre_window_host, [windows.start, windows.stop])
+                centres = (self.centre_voxel[a:b], self.centre_window[a:b] - windows.start,
+                           self.centre_position[a:b])
         else:
             index = torch.from_numpy(windows).to(device)
-            base, batch_multiplicity = window_base[index], multiplicity[index]
-            if center:
-                chosen = np.flatnonzero(np.isin(plan.centre_window, windows))
-                own = np.searchsorted(windows, plan.centre_window[chosen]).astype(np.int32)
+            base, batch_multiplicity = self.base[index], self.multiplicity[index]
+            if run.center:
+                chosen = np.flatnonzero(np.isin(self.centre_window_host, windows))
+                own = np.searchsorted(windows, self.centre_window_host[chosen]).astype(np.int32)
                 chosen = torch.from_numpy(chosen).to(device)
-                centres = (centre_voxel[chosen], torch.from_numpy(own).to(device), centre_position[chosen])
+                centres = (self.centre_voxel[chosen], torch.from_numpy(own).to(device),
+                           self.centre_position[chosen])
+        n_voxels = run.voxel_offsets.numel()
+        time_side = n_voxels >= n_volumes
         if fused:
-            gram, n_took_part, volume_mean = kernels.gram(volume, finite_flat, base, voxel_offsets, demean=demean,
+            gram, n_took_part, volume_mean = kernels.gram(volume, finite, base, run.voxel_offsets, demean=demean,
                                                           dtype=dtype)
         else:
             gram, patches, means, took_part, voxels = _gather_gram(
-                volume, finite_flat, base, voxel_offsets, demean, dtype, time_side)
+                volume, finite, base, run.voxel_offsets, demean, dtype, time_side)
             n_took_part = took_part.sum(dim=1).to(torch.int32)
-        values, vectors, info = solver(gram)
+        values, vectors, info = run.solver(gram)
         # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
         values = values.to(torch.float64)
         usable_voxels, usable_volumes = n_took_part - int(demean == "volume"), n_volumes - int(demean == "voxel")
@@ -236,7 +467,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
                                         SETTLE_SLACK)
             keep &= ~unsettled
         keep = keep.to(torch.float64)
-        if center:
+        if run.center:
             patch_weight = keep
         else:
             patch_weight = (aggregation_weights(patch_rank, options.demeaned, options.aggregation)
@@ -247,84 +478,33 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
 
         if fused:
             projector = projector.to(torch.float32).contiguous()
-            if center:
+            if run.center:
                 kernels.reconstruct_centres(volume, centres[0], centres[1], projector, patch_weight, patch_sigma,
-                                            patch_rank, image, weight, sigma, rank, demean=demean,
-                                            volume_mean=volume_mean)
+                                            patch_rank, *sums.tensors(), demean=demean, volume_mean=volume_mean)
             else:
-                kernels.reconstruct_accumulate(volume, finite_flat, base, voxel_offsets, projector, patch_weight,
-                                               patch_sigma, patch_rank, image, weight, sigma, rank,
-                                               demean=demean, volume_mean=volume_mean)
+                kernels.reconstruct_accumulate(volume, finite, base, run.voxel_offsets, projector, patch_weight,
+                                               patch_sigma, patch_rank, *sums.tensors(), demean=demean,
+                                               volume_mean=volume_mean)
         else:
             restored = patches @ projector if time_side else projector @ patches
             if means is not None:
                 restored = restored + means
-            if center:
+            if run.center:
                 rows, own_window, own_position = centres
                 w = patch_weight[own_window]
-                image[rows] = restored[own_window, own_position].to(torch.float32) * w[:, None]
-                weight[rows] = w
-                sigma[rows] = w * patch_sigma[own_window]
-                rank[rows] = w * patch_rank[own_window]
-            else:
+                values = (restored[own_window, own_position].to(torch.float32) * w[:, None], w,
+                          w * patch_sigma[own_window], w * patch_rank[own_window])
+                for target, value in zip(sums.tensors(), values):
+                    target[rows] = value
+            else:  # every addend made before the first is added
                 voxel_weight = patch_weight[:, None] * took_part
+                addends = ((restored * voxel_weight[:, :, None]).reshape(-1, n_volumes).to(torch.float32),
+                           voxel_weight.reshape(-1), (voxel_weight * patch_sigma[:, None]).reshape(-1),
+                           (voxel_weight * patch_rank[:, None]).reshape(-1))
                 flat = voxels.reshape(-1)
-                image.index_add_(0, flat, (restored * voxel_weight[:, :, None]).reshape(-1, n_volumes)
-                                 .to(torch.float32))
-                weight.index_add_(0, flat, voxel_weight.reshape(-1))
-                sigma.index_add_(0, flat, (voxel_weight * patch_sigma[:, None]).reshape(-1))
-                rank.index_add_(0, flat, (voxel_weight * patch_rank[:, None]).reshape(-1))
+                for target, addend in zip(sums.tensors(), addends):
+                    target.index_add_(0, flat, addend)
         return info, unsettled
-
-    # first pass: every window, in the Gram precision
-    step = batch_size(device, plan.n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch)
-    starts = range(0, plan.n_windows, step)
-    infos, unsettled = [], []
-    for number, start in enumerate(starts):
-        info, left = run_batch(slice(start, min(start + step, plan.n_windows)), dtype, fused, settle)
-        infos.append(info)
-        if settle:
-            unsettled.append(left)
-        if progress:
-            progress(number + 1, len(starts))
-
-    # one look at the verdicts, after all the work is queued; then the windows float32 could not settle
-    # and those whose eigensolve failed, again in float64 (after that, failures go to the CPU)
-    redo = torch.cat(infos) != 0 if infos else torch.zeros(0, dtype=torch.bool, device=device)
-    if unsettled:
-        redo |= torch.cat(unsettled)
-    redo = torch.nonzero(redo).reshape(-1).cpu().numpy()
-    failed = redo
-    if settle and len(redo):
-        fused64 = path != "gather" and kernels.fused_fits(n_voxels, n_volumes, torch.float64)
-        step64 = batch_size(device, len(redo), n_voxels, n_volumes, torch.float64, fused64, solver, max_batch)
-        infos = [run_batch(redo[a:a + step64], torch.float64, fused64, False)[0]
-                 for a in range(0, len(redo), step64)]
-        failed = redo[torch.nonzero(torch.cat(infos) != 0).reshape(-1).cpu().numpy()]
-    normalized = normalize and not len(failed)
-    if normalized:  # values, not sums: 0 where no patch served the voxel (its sums are 0)
-        divisor = torch.where(weight > 0, weight, torch.ones_like(weight))
-        image /= divisor[:, None]
-        sigma /= divisor
-        rank /= divisor
-    sums = [_download(x) for x in (image, weight, sigma, rank)]
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-        peak = torch.cuda.max_memory_allocated(device)
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        peak, device_name = 0, "cpu (Triton interpreter)"
-    release_volume()
-    image, weight, sigma, rank = (x.numpy() for x in sums)
-    if len(failed):
-        _redo_on_cpu(data, finite, plan, options, failed, image, weight, sigma, rank)
-    return PatchSums(image, weight, sigma, rank, normalized=normalized,
-                     info=dict(backend="gpu", device=device_name, eigensolver=solver.backend,
-                               gram_precision=str(dtype).replace("torch.", ""),
-                               gram_path="fused" if fused else "gather", batch=step,
-                               n_settled_in_float64=int(len(redo)) if settle else 0,
-                               n_redone_on_cpu=int(len(failed)), gpu_peak_bytes=int(peak),
-                               seconds_engine=time.perf_counter() - started))
 
 
 class _TorchEigh:
@@ -338,31 +518,32 @@ class _TorchEigh:
     def workspace_bytes(self, batch, m, dtype):
         return 0
 
+    def release_workspaces(self):
+        pass
+
     def __call__(self, matrices):
         values, vectors = torch.linalg.eigh(matrices)
         return values, vectors, torch.zeros(len(matrices), dtype=torch.int32, device=matrices.device)
 
 
-def _redo_on_cpu(data, finite, plan, options, windows, image, weight, sigma, rank):
-    """Redo the windows whose eigensolve failed with the CPU backend's functions; add them to the sums."""
+def _cpu_contributions(data, finite, plan, options, windows):
+    """What the windows whose eigensolve failed on the device give, computed by the CPU backend's functions:
+    ``(rows, (image, weight, sigma, rank), replace)``: values to add into those rows, or for centre
+    aggregation to write there (``replace``)."""
     from ..cpu import fit_windows
 
     n_volumes = data.shape[3]
     fit = fit_windows(data.reshape(-1, n_volumes), finite.reshape(-1), plan, options, windows)
     restored = fit.reconstruct()
     if options.aggregation == "center":
-        local = {int(w): k for k, w in enumerate(windows)}
-        for centre in np.flatnonzero(np.isin(plan.centre_window, windows)):
-            k, v = local[int(plan.centre_window[centre])], plan.centre_voxel[centre]
-            image[v] = restored[k, plan.centre_position[centre]]
-            weight[v] = 1.0
-            sigma[v] = np.sqrt(fit.sigma2[k])
-            rank[v] = fit.rank[k]
-        return
+        centres = np.flatnonzero(np.isin(plan.centre_window, windows))
+        own = np.searchsorted(windows, plan.centre_window[centres])
+        rows = plan.centre_voxel[centres]
+        values = (restored[own, plan.centre_position[centres]], np.ones(len(rows)),
+                  np.sqrt(fit.sigma2[own]), fit.rank[own])
+        return rows, values, True
     w = aggregation_weights(fit.rank, options.demeaned, options.aggregation) * plan.multiplicity[windows]
     voxel_weight = w[:, None] * fit.took_part
-    flat = fit.voxels.ravel()
-    np.add.at(image, flat, (restored * voxel_weight[:, :, None]).reshape(-1, n_volumes))
-    np.add.at(weight, flat, voxel_weight.ravel())
-    np.add.at(sigma, flat, (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel())
-    np.add.at(rank, flat, (voxel_weight * fit.rank[:, None]).ravel())
+    values = ((restored * voxel_weight[:, :, None]).reshape(-1, n_volumes), voxel_weight.ravel(),
+              (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), (voxel_weight * fit.rank[:, None]).ravel())
+    return fit.voxels.ravel(), values, False
