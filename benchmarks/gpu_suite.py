@@ -15,6 +15,10 @@
     (the package's defaults) on the seed's problem and on the DWI-like crop, against our CPU path with the
     same options; the backend alone (float32 alone, and with its float64 settling pass) and the whole call,
     each next to the same with voxel demeaning; the fused Gram kernel alone for both.
+(5) issue 5's eigen step alone: XsyevBatched, its eigenvalues alone, the tridiagonal Triton kernels, and
+    tridiagonal eigenvalues with a Newton-Schulz projector, on 12,600 Gram matrices for T in 32..128 (and
+    clustered and rank-deficient ones), timed and checked against XsyevBatched in float64.
+(p) the seed's problem under torch's profiler: device time per stage and kernel.
 (s) the CPU path's scaling on this machine (no GPU): ``nproc``, the cgroup's CPU quota and affinity, and
     ``denoise(low_rank_phantom((64, 64, 40), 48)[0], device="cpu", nprocs=k)`` for k = 1, 4, 16 in fresh
     processes (and k = 16 after CUDA was initialised, as inside this suite), with the cgroup's CPU time and
@@ -139,6 +143,161 @@ def eigensolver_alone(count=12_600, m=48):
     return rows
 
 
+def gram_batch(kind, count, m, seed=0):
+    """(count, m, m) float64 Gram matrices on the GPU and the (n, T) of the estimator: ``patches`` are
+    centred rank-5 signals on noise as in the seed's problem (n = 1331 voxels, or 4 m); ``wishart`` pure
+    noise; ``clustered`` a spectrum of 1s with 5, 5, 5, 9, 20, 20 on top; ``deficient`` rank 4 plus a ridge."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if kind in ("patches", "wishart"):
+        n = 1331 if m == 48 else 4 * m
+        x = 4.0 * torch.randn(count, n, m, device="cuda", dtype=torch.float64, generator=g)
+        if kind == "patches":
+            scores = torch.randn(count, n, 5, device="cuda", dtype=torch.float64, generator=g)
+            loads = torch.randn(count, 5, m, device="cuda", dtype=torch.float64, generator=g)
+            x += scores @ (loads * torch.tensor([60.0, 30, 15, 8, 5], device="cuda", dtype=torch.float64)[:, None])
+        x -= x.mean(dim=1, keepdim=True)
+        return x.mT @ x, n - 1, m
+    if kind == "clustered":
+        q, _ = torch.linalg.qr(torch.randn(count, m, m, device="cuda", dtype=torch.float64, generator=g))
+        spectrum = torch.ones(m, device="cuda", dtype=torch.float64)
+        spectrum[-6:] = torch.tensor([5.0, 5.0, 5.0000001, 9.0, 20.0, 20.0], device="cuda", dtype=torch.float64)
+        return (q * spectrum) @ q.mT, 4 * m, m
+    y = 100 * torch.randn(count, m, 4, device="cuda", dtype=torch.float64, generator=g)
+    return y @ y.mT + 1e-3 * torch.eye(m, device="cuda", dtype=torch.float64), 4 * m, m
+
+
+def newton_schulz_projector(matrices, values, rank, iterations):
+    """The second alternative of the eigen step (eigenvalues, then matrix products only): the projector on
+    the leading ``rank`` eigenvectors as (I + sign(G - tau I)) / 2, tau halfway between the last kept and
+    the first dropped eigenvalue, the sign by Newton-Schulz iterations X <- X (3 I - X^2) / 2 on
+    (G - tau I) / ||G - tau I||."""
+    m = matrices.shape[-1]
+    index = (m - rank).clamp(1, m - 1)[:, None]
+    tau = 0.5 * (values.gather(1, index) + values.gather(1, index - 1))[:, 0]
+    eye = torch.eye(m, device=matrices.device, dtype=matrices.dtype)
+    x = matrices - tau[:, None, None] * eye
+    x = x / (values[:, -1] - tau).abs().clamp(min=1e-30).maximum((values[:, 0] - tau).abs())[:, None, None]
+    for _ in range(iterations):
+        x = 0.5 * x @ (3 * eye - x @ x)
+    return 0.5 * (eye + x) * (rank > 0).to(x.dtype)[:, None, None]
+
+
+def eigen_step(count=12_600):
+    """Issue 5's micro-benchmark: the eigen step (eigenvalues, the estimator's rank, the projector) on
+    ``count`` Gram matrices per T, each variant timed (best of 5) and checked against XsyevBatched in
+    float64: rank P as decided by the exp2 estimator (share of equal ranks) and the projector's largest
+    deviation; the checks also on clustered and rank-deficient matrices at T = 48 (at fixed ranks)."""
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+
+    xsyev, tridiagonal = BatchedEigh("cuda"), TridiagonalEigh("cuda")
+
+    def threshold(values, n, m):
+        """The exp2 estimator's rank; for the clustered and rank-deficient kinds, where float32 cannot
+        resolve the noise bulk, the rank that splits no cluster: 6 and 4."""
+        if kind in ("clustered", "deficient"):
+            return torch.full((len(values),), 6 if kind == "clustered" else 4, device=values.device)
+        voxels = torch.full((len(values),), n, dtype=torch.int64, device=values.device)
+        return marchenko_pastur_threshold(values.to(torch.float64), voxels, m, "exp2")[0]
+
+    def variants(work, n, m):
+        def xsyev_step():
+            values, info = xsyev.values(work.clone())
+            rank = threshold(values, n, m)
+            return values, rank, xsyev.projector(rank)
+
+        def xsyev_values_only():
+            values, _, info = xsyev(work.clone(), vectors=False)
+            return values, threshold(values, n, m), None
+
+        def tridiagonal_step():
+            values, info = tridiagonal.values(work.clone())
+            rank = threshold(values, n, m)
+            return values, rank, tridiagonal.projector(rank)
+
+        def newton_schulz(iterations):
+            def step():
+                values, info = tridiagonal.values(work.clone())
+                rank = threshold(values, n, m)
+                return values, rank, newton_schulz_projector(work, values, rank, iterations)
+            return step
+
+        return {"XsyevBatched (values + vectors) + projector": xsyev_step,
+                "XsyevBatched, eigenvalues only": xsyev_values_only,
+                "tridiagonal: values, then projector by inverse iteration": tridiagonal_step,
+                "tridiagonal values + Newton-Schulz projector, 30 steps": newton_schulz(30)}
+
+    results = []
+    for kind, sizes in (("patches", (32, 48, 64, 96, 128)), ("wishart", (48,)), ("clustered", (48,)),
+                        ("deficient", (48,))):
+        for m in sizes:
+            batch = count if kind == "patches" else 2000
+            matrices, n, m = gram_batch(kind, batch, m)
+            values64, info = xsyev.values(matrices.clone())
+            rank64 = threshold(values64, n, m)
+            projector64 = xsyev.projector(rank64)
+            work = matrices.to(torch.float32).contiguous()
+            for name, run in variants(work, n, m).items():
+                run()
+                times = []
+                for _ in range(5 if kind == "patches" else 1):
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    values, rank, projector = run()
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - started)
+                scale = values64.abs().amax(dim=1)
+                row = dict(kind=kind, m=m, batch=batch, variant=name, ms=min(times) * 1e3,
+                           rank_equal=float((rank == rank64).double().mean()),
+                           values_err=float(((values.double() - values64).abs().amax(dim=1) / scale).max()))
+                if projector is not None:
+                    same = rank == rank64
+                    deviation = (projector.double() - projector64).abs().amax(dim=(1, 2))
+                    row["projector_err_max"] = float(deviation[same].max()) if same.any() else None
+                    row["projector_err_median"] = float(deviation[same].median()) if same.any() else None
+                results.append(row)
+                print(row, flush=True)
+            del matrices, work, projector64
+            xsyev.release_workspaces()
+            torch.cuda.empty_cache()
+    return results
+
+
+def profile_seed():
+    """Where the seed's problem spends its time on the device: ``denoise_gpu`` under torch's profiler, device
+    time summed by kernel into stages (Gram, eigen step, estimator and projector glue, reconstruction,
+    copies), per eigensolver; and the host-to-host wall time of the same call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    noisy, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
+    stages = (("gram", ("_gram_kernel",)), ("eigen: tridiagonal values", ("_values_kernel",)),
+              ("eigen: tridiagonal projector", ("_projector_kernel",)),
+              ("eigen: XsyevBatched", ("syev", "sytrd", "steqr", "stedc", "orm", "jacobi", "batched")),
+              ("reconstruct", ("_reconstruct",)), ("copies", ("Memcpy", "memcpy")))
+    result = {}
+    for eigensolver in ("tridiagonal", "xsyev"):
+        run = lambda: denoise_gpu(data, finite, plan, options, eigensolver=eigensolver)  # noqa: E731
+        seconds, sums, _ = best_of(run, repeats=5)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        totals, kernels = {}, []
+        for event in prof.key_averages():
+            cuda_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+            if not cuda_us:
+                continue
+            kernels.append((event.key[:90], cuda_us / 1e3, event.count))
+            stage = next((name for name, keys in stages if any(k in event.key for k in keys)), "other")
+            totals[stage] = totals.get(stage, 0.0) + cuda_us / 1e3
+        kernels.sort(key=lambda k: -k[1])
+        result[eigensolver] = dict(host_to_host_ms=seconds * 1e3, n_settled=sums.info["n_settled_in_float64"],
+                                   stages_ms=totals, top_kernels=kernels[:25])
+        print(eigensolver, f"{seconds * 1e3:.1f} ms", {k: round(v, 2) for k, v in totals.items()}, flush=True)
+        for name, ms, count in kernels[:12]:
+            print(f"   {ms:8.2f} ms  x{count:<5} {name}", flush=True)
+    return result
+
+
 def eigensolvers_on_large_matrices():
     """XsyevBatched vs torch.linalg.eigh on long-series Gram sizes, float32 (ms per matrix)."""
     solver = BatchedEigh("cuda")
@@ -192,9 +351,11 @@ def seed_ladder(rows, skip_torch_eigh):
 
     variants = [
         ("batched Gram + torch.linalg.eigh", dict(path="gather", eigensolver="torch"), 1),
-        ("batched Gram + XsyevBatched", dict(path="gather"), 5),
-        ("fused kernels + XsyevBatched, batch 2048 (article's final step)", dict(path="fused", max_batch=2048), 5),
-        ("ours: denoise_gpu (batch from free memory)", dict(), 5),
+        ("batched Gram + XsyevBatched", dict(path="gather", eigensolver="xsyev"), 5),
+        ("fused kernels + XsyevBatched, batch 2048 (article's final step)",
+         dict(path="fused", max_batch=2048, eigensolver="xsyev"), 5),
+        ("ours: denoise_gpu with XsyevBatched", dict(eigensolver="xsyev"), 5),
+        ("ours: denoise_gpu (tridiagonal eigensolver, batch from free memory)", dict(), 5),
     ]
     for name, kwargs, repeats in variants:
         if skip_torch_eigh and kwargs.get("eigensolver") == "torch":
@@ -221,6 +382,7 @@ def dwidenoise_mode(rows):
     rows.append(dict(problem="dwidenoise 96x96x48x48", variant=f"our CPU path, {os.cpu_count()} processes",
                      ms=cpu_seconds * 1e3, **errors(reference, reference, truth), peak_gib=0.0))
     for name, kwargs in (("ours (float64 Gram + XsyevBatched)", dict()),
+                         ("float64 Gram + tridiagonal eigensolver", dict(eigensolver="tridiagonal")),
                          ("float32 Gram + XsyevBatched", dict(precision="float32"))):
         seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs))
         denoised, rank = finish(sums, data.shape)
@@ -470,7 +632,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
-    parser.add_argument("--only", default="abcdev", help="which parts to run: any of a, b, c, e, v, s")
+    parser.add_argument("--only", default="abcdev", help="which parts to run: any of a, b, c, e, v, s, 5, p")
     args = parser.parse_args()
     reason = usable()
     if reason is not None:
@@ -499,6 +661,8 @@ def main():
 
     part("e", eigensolver_alone, "xsyev_batched_alone_ms")
     part("e", eigensolvers_on_large_matrices, "eigensolver_ms_per_matrix")
+    part("5", eigen_step, "eigen_step")
+    part("p", profile_seed, "profile_seed")
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))
     part("c", lambda: defaults(rows, args.full))

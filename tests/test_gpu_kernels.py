@@ -48,6 +48,7 @@ def test_kernels_under_the_interpreter_in_a_child_process():
 
 from mppca_nipype.engine import check_data, plan_patches, resolve_options  # noqa: E402
 from mppca_nipype.engine.cpu import denoise_cpu  # noqa: E402
+from mppca_nipype.engine.gpu.eigh import ProjectorFromVectors  # noqa: E402
 from mppca_nipype.phantoms import low_rank_phantom  # noqa: E402
 
 
@@ -357,7 +358,7 @@ def test_unsettled_windows_are_redone_in_float64(kernels, monkeypatch, aggregati
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
 
 
-class _SolverWithLittleMemory:
+class _SolverWithLittleMemory(ProjectorFromVectors):
     """The pipeline's eigensolver, out of memory for batches above ``limit`` windows (after the Gram
     matrices are made, before anything is added into the sums)."""
 
@@ -464,7 +465,7 @@ def test_slabs_with_a_halo_give_what_one_slab_gives(kernels, path, aggregation, 
     assert served.sum() >= mask.sum() - 1 and np.abs(whole.image[served]).min() > 100  # real values compared
 
 
-class _SolverThatFailsSomeWindows:
+class _SolverThatFailsSomeWindows(ProjectorFromVectors):
     """The pipeline's eigensolver reporting ``info != 0`` for every third matrix of each batch (a failed
     eigensolve, in float32 and float64 alike)."""
 
@@ -501,4 +502,56 @@ def test_windows_whose_eigensolve_fails_are_redone_on_the_cpu(kernels, monkeypat
     gpu = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", max_batch=7, planes=planes)
     # a third failed in float32 and went to float64, where a third of those failed again
     assert gpu.info["n_settled_in_float64"] >= plan.n_windows // 3 and gpu.info["n_redone_on_cpu"] >= 2
+    assert_same_denoising(cpu, gpu, mask)
+
+
+def symmetric_test_matrices(kind, count, m, rng):
+    """Random Gram matrices, clustered spectra (repeated eigenvalues) or rank-deficient ones on a large
+    scale (float64, (count, m, m)); with the ranks at which the leading eigenspace is well defined."""
+    if kind == "random":
+        x = rng.standard_normal((count, m, 2 * m))
+        return x @ x.transpose(0, 2, 1), [0, 3, m // 2][:count]
+    if kind == "clustered":  # 1 (m - 6 times), 5, 5, 5 (+1e-7), 9, 20, 20: ranks 2, 3 and 6 split no cluster
+        q, _ = np.linalg.qr(rng.standard_normal((count, m, m)))
+        spectrum = np.concatenate([np.ones(m - 6), [5.0, 5.0, 5.0000001, 9.0, 20.0, 20.0]])
+        return np.einsum("bij,j,bkj->bik", q, spectrum, q), [2, 3, 6][:count]
+    y = rng.standard_normal((count, m, 4)) * 100  # rank 4 plus a tiny ridge
+    return y @ y.transpose(0, 2, 1) + 1e-3 * np.eye(m), [4, 1, 4][:count]
+
+
+@interpreted
+@pytest.mark.parametrize("kind", ["random", "clustered", "rank-deficient"])
+@pytest.mark.parametrize("m, dtype", [(16, torch.float32), (21, torch.float32), (33, torch.float64)])
+def test_tridiagonal_eigensolver_matches_lapack(kind, m, dtype):
+    """Eigenvalues to float32's (float64's) rounding of the largest, and the projector onto the leading
+    ``rank`` eigenvectors, against NumPy's float64 LAPACK; clusters of equal eigenvalues included."""
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+
+    rng = np.random.default_rng(m)
+    matrices, ranks = symmetric_test_matrices(kind, 3, m, rng)
+    solver = TridiagonalEigh("cpu")
+    values, info = solver.values(torch.from_numpy(matrices).to(dtype).clone())  # overwritten
+    projector = solver.projector(torch.tensor(ranks)).numpy()
+    expected_values, vectors = np.linalg.eigh(matrices)
+    eps = torch.finfo(dtype).eps
+    scale = np.abs(expected_values).max(axis=1, keepdims=True)
+    assert (info == 0).all() and values.dtype == dtype
+    assert np.abs(values.numpy() - expected_values).max() <= 8 * m * eps * scale.max()
+    assert (np.diff(values.numpy(), axis=1) >= 0).all()
+    for b, rank in enumerate(ranks):
+        kept = vectors[b][:, m - rank:]
+        np.testing.assert_allclose(projector[b], kept @ kept.T, rtol=0, atol=40 * m * eps)
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 2, "volume"), ("center", 1, "none")])
+def test_pipeline_with_the_tridiagonal_eigensolver_matches_cpu_backend(kernels, aggregation, stride, demean):
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((6, 5, 5), n_volumes=17, rank=3, sigma=5.0, seed=11)
+    data, mask, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
+                                                 aggregation=aggregation, demean=demean)
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    gpu = denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal")
+    assert gpu.info["eigensolver"].startswith("triton tridiagonal")
     assert_same_denoising(cpu, gpu, mask)

@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from ..errors import MPPCAWarning
+from ..estimators import signal_projector
 
 _CUDA_DATA_TYPE = {torch.float32: 0, torch.float64: 1}  # cudaDataType: CUDA_R_32F, CUDA_R_64F
 _EIG_MODE_NOVECTOR, _EIG_MODE_VECTOR = 0, 1  # cusolverEigMode_t
@@ -33,7 +34,20 @@ def _load_cusolver():
     return cusolverDn, None
 
 
-class BatchedEigh:
+class ProjectorFromVectors:
+    """The pipeline's two-step interface for a solver that returns all eigenvectors at once:
+    ``values, info = solver.values(matrices)``, then ``solver.projector(rank)`` (B, m, m) onto the ``rank``
+    leading eigenvectors of those matrices."""
+
+    def values(self, matrices):
+        values, self._vectors, info = self(matrices)
+        return values, info
+
+    def projector(self, rank):
+        return signal_projector(self._vectors, rank)
+
+
+class BatchedEigh(ProjectorFromVectors):
     """Eigen-decomposition of batches of symmetric matrices on one CUDA device.
 
     ``solver(matrices)`` takes a contiguous (B, m, m) float32/float64 tensor, overwrites it, and returns

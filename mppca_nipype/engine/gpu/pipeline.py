@@ -6,7 +6,10 @@ Per batch, with no host synchronisation:
 1. Gram matrices of the windows: the fused Triton kernel (time side, n >= T, T up to
    ``kernels.MAX_FUSED_VOLUMES``), or for other shapes (voxel side when n < T, long series) the patches
    gathered into a (B, n, T) batch and multiplied by torch (cuBLAS, IEEE float32/float64).
-2. ``eigh.BatchedEigh``: cusolverDnXsyevBatched on torch's current stream; ``info`` stays on the device.
+2. The eigenvalues: ``tridiagonal.TridiagonalEigh`` (Triton: Householder + bisection; then, once the
+   ranks are known, inverse iteration for the kept eigenvectors only) or ``eigh.BatchedEigh``
+   (cusolverDnXsyevBatched, all eigenvectors); ``eigensolver_for`` says which runs.
+   Either on torch's current stream; ``info`` stays on the device.
 3. ``estimators.marchenko_pastur_threshold`` and ``signal_projector`` (the CPU's own code, on torch tensors,
    in float64 for the threshold), ``aggregation_weights`` times the window's multiplicity.
 4. Reconstruction added into (V, T) image and (V,) weight/sigma/rank sums on the device (atomics), or for
@@ -48,9 +51,13 @@ import time
 import numpy as np
 import torch
 
-from ..estimators import aggregation_weights, marchenko_pastur_threshold, signal_projector
+from ..estimators import aggregation_weights, marchenko_pastur_threshold
 from . import kernels
-from .eigh import BatchedEigh
+from .eigh import BatchedEigh, ProjectorFromVectors
+from .tridiagonal import MAX_ORDER as TRIDIAGONAL_MAX_ORDER, TridiagonalEigh
+
+#: The eigensolvers ``denoise_gpu(eigensolver=...)`` takes ("auto": ``eigensolver_for``).
+EIGENSOLVERS = ("auto", "tridiagonal", "xsyev", "torch")
 
 #: Upper bound on windows per batch (beyond it XsyevBatched gains nothing and workspaces grow linearly).
 MAX_BATCH = 16384
@@ -77,6 +84,29 @@ def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window):
     if not fused:  # gathered patches (float32 and compute precision), restored, indices
         per_window += n_voxels * n_volumes * (4 + 2 * size) + n_voxels * 16
     return int(per_window)
+
+
+#: Largest m for which "auto" takes the tridiagonal kernels (measured: 2-4x faster than XsyevBatched for
+#: m <= 64 in float32, slower beyond, where the matrix fills 128 x 128 registers; docs/benchmarks.md).
+AUTO_TRIDIAGONAL_MAX_ORDER = 64
+
+
+def eigensolver_for(name, device, m, dtype):
+    """The eigensolver ``name`` for m x m matrices in the first pass's precision ``dtype``. "auto": the
+    tridiagonal Triton kernels for float32 and m <= ``AUTO_TRIDIAGONAL_MAX_ORDER``, else XsyevBatched
+    (float64 runs: XsyevBatched is a little faster there)."""
+    if name not in EIGENSOLVERS:
+        raise ValueError(f"eigensolver must be one of {EIGENSOLVERS}, not {name!r}")
+    if name == "auto":
+        name = ("tridiagonal" if dtype == torch.float32 and m <= AUTO_TRIDIAGONAL_MAX_ORDER
+                and torch.device(device).type == "cuda" else "xsyev")
+    if name == "tridiagonal":
+        if m > TRIDIAGONAL_MAX_ORDER:
+            raise ValueError(f"the tridiagonal eigensolver takes m <= {TRIDIAGONAL_MAX_ORDER}, not {m}")
+        return TridiagonalEigh(device)
+    if name == "torch":
+        return _TorchEigh(device)
+    return BatchedEigh(device)
 
 
 def batch_size(device, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None) -> int:
@@ -234,8 +264,8 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
 
     Parameters beyond ``cpu.denoise_cpu``'s (all optional; for tests and benchmarks):
     ``device`` (default "cuda"; "cpu" runs the same kernels under TRITON_INTERPRET=1), ``path``
-    ("auto", "fused" or "gather": how the Gram and reconstruction are computed), ``eigensolver`` ("auto" or
-    "torch"), ``precision`` ("auto", "float32", "float64": of the Gram and eigensolver), ``max_batch``,
+    ("auto", "fused" or "gather": how the Gram and reconstruction are computed), ``eigensolver`` (one of
+    ``EIGENSOLVERS``), ``precision`` ("auto", "float32", "float64": of the Gram and eigensolver), ``max_batch``,
     ``planes`` (x-planes of window corners per slab; default from the free memory).
     ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process.
     """
@@ -249,7 +279,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     host_volume = np.ascontiguousarray(data.reshape(-1, n_volumes))
     host_finite = np.ascontiguousarray(finite.reshape(-1), dtype=np.float32)
     pinned, unpin = _pin(host_volume) if device.type == "cuda" else (False, lambda: None)
-    run = _PlanRun(plan, options, device, path, precision, max_batch, settle, eigensolver)
+    run = _PlanRun(plan, options, device, path, precision, max_batch, settle, eigensolver, n_volumes)
     slabs = plan_slabs(plan, planes or slab_planes(device, plan, n_volumes))
     on_gpu = device.type == "cuda"
     outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=on_gpu)
@@ -353,11 +383,11 @@ class _PlanRun:
     """What stays the same across the slabs and batches of one run: the plan, options, precision, path and
     eigensolver, the patch geometry on the device; and what the run learns (batch size, retries, counts)."""
 
-    def __init__(self, plan, options, device, path, precision, max_batch, settle, eigensolver):
+    def __init__(self, plan, options, device, path, precision, max_batch, settle, eigensolver, n_volumes):
         self.plan, self.options, self.device, self.path, self.max_batch = plan, options, device, path, max_batch
         self.demean, self.center = options.demean, options.aggregation == "center"
         self.dtype = gram_precision(options, precision)
-        self.solver = BatchedEigh(device) if eigensolver == "auto" else _TorchEigh(device)
+        self.solver = eigensolver_for(eigensolver, device, min(plan.patch_size, n_volumes), self.dtype)
         self.settle = settle and self.dtype == torch.float32
         self.window_base = plan.window_base()
         self.voxel_offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).to(device)
@@ -454,12 +484,12 @@ class _SlabContext:
             gram, patches, means, took_part, voxels = _gather_gram(
                 volume, finite, base, run.voxel_offsets, demean, dtype, time_side)
             n_took_part = took_part.sum(dim=1).to(torch.int32)
-        values, vectors, info = run.solver(gram)
+        values, info = run.solver.values(gram)
         # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
         values = values.to(torch.float64)
         usable_voxels, usable_volumes = n_took_part - int(demean == "volume"), n_volumes - int(demean == "voxel")
         patch_rank, sigma2 = marchenko_pastur_threshold(values, usable_voxels, usable_volumes, options.estimator)
-        projector = signal_projector(vectors, patch_rank)
+        projector = run.solver.projector(patch_rank)
         keep = info == 0
         unsettled = None
         if settle:
@@ -507,7 +537,7 @@ class _SlabContext:
         return info, unsettled
 
 
-class _TorchEigh:
+class _TorchEigh(ProjectorFromVectors):
     """``torch.linalg.eigh`` with BatchedEigh's interface (for comparisons: the seed ladder's second step)."""
 
     backend = "torch.linalg.eigh"

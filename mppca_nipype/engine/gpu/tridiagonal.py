@@ -1,0 +1,257 @@
+"""A batched symmetric eigensolver in two Triton kernels, one program per matrix, for what MP-PCA needs:
+all the eigenvalues, then the projector onto the leading ``rank`` eigenvectors (no other eigenvector).
+
+``values`` kernel (the matrix in registers, m <= ``MAX_ORDER``):
+
+1. Householder tridiagonalisation, A <- H_k A H_k for k = 0 .. m-3 with H_k = I - u_k u_k^T; each u_k is
+   written over row k of the input (it is no longer needed), the diagonal d and sub-diagonal e beside it.
+2. Bisection on Sturm counts of T - x I (LDL^T pivots), all m eigenvalues at once (one lane each), from
+   Gershgorin's interval down to the precision's resolution: the eigenvalues come back ascending.
+
+``projector`` kernel, once the estimator chose each matrix's rank P:
+
+3. Inverse iteration on the tridiagonal T for the P largest eigenvalues at once (one lane each; LU
+   without pivoting, a tiny pivot replaced by eps ||T||): ``INVERSE_ITERATIONS`` solves, the columns
+   re-orthonormalised after each (modified Gram-Schmidt from the largest eigenvalue down), so that a
+   cluster of eigenvalues yields a basis of its invariant subspace rather than one vector twice.
+4. Back to the matrix's basis: y <- H_0 ... H_{m-3} y, and the projector Y Y^T (a matrix product).
+
+Cost: O(m^3) arithmetic per matrix, like the LAPACK path, but every step stays on one multiprocessor with
+no launch in between; a workspace of 2 m^2 + 4 m numbers per matrix besides the input. Accuracy: the
+backward stability of Householder and bisection (eigenvalues to ~eps ||A||); eigenvectors of a kept
+eigenvalue to ~eps ||A|| / gap, as LAPACK's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: Largest matrix order these kernels take (the matrix lives in registers).
+MAX_ORDER = 128
+#: Solves of the inverse iteration (each followed by re-orthonormalisation). With shifts accurate to the
+#: rounding, one solve amplifies the wanted eigenvector over the others by gap / (eps ||T||); the next ones
+#: remove what the first left and separate the members of a cluster (measured on the H200, 12,600 48 x 48
+#: matrices: 2 solves leave 1e-4 of projector error on clustered spectra, 3 leave 2e-6, at equal time).
+INVERSE_ITERATIONS = 3
+
+
+def _bisections(dtype) -> int:
+    """Halvings that take Gershgorin's interval (at most 4 ||T|| wide) below half a rounding of ||T||."""
+    return 4 + {torch.float32: 23, torch.float64: 52}[dtype]  # + the mantissa's bits
+
+
+def _block(m: int) -> int:
+    return max(16, triton.next_power_of_2(m))
+
+
+def _warps(m: int, dtype) -> int:
+    """Enough warps that the (BLOCK, BLOCK) matrix takes about 32 registers' worth a thread."""
+    elements = _block(m) ** 2 * (2 if dtype == torch.float64 else 1)
+    return max(1, min(16, elements // (32 * 32)))
+
+
+@triton.jit
+def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, m: tl.constexpr, BLOCK: tl.constexpr,
+                   FP64: tl.constexpr, BISECTIONS: tl.constexpr):
+    matrix = tl.program_id(0).to(tl.int64)
+    dtype = tl.float64 if FP64 else tl.float32
+    rows = tl.arange(0, BLOCK)
+    r = rows[:, None]
+    c = rows[None, :]
+    inside = (r < m) & (c < m)
+    a = tl.load(a_ptr + matrix * m * m + r * m + c, mask=inside, other=0.0).to(dtype)
+    tiny = 1e-300 if FP64 else 1e-30
+
+    # 1. Householder: zero column k below the sub-diagonal, from both sides
+    for k in range(0, m - 2):
+        column = tl.sum(tl.where(c == k, a, 0.0), axis=1)
+        x = tl.where(rows > k, column, 0.0)
+        norm = tl.sqrt(tl.sum(x * x, axis=0))
+        first = tl.sum(tl.where(rows == k + 1, x, 0.0), axis=0)
+        alpha = tl.where(first > 0, -norm, norm)
+        v = tl.where(rows == k + 1, x - alpha, x)
+        vv = tl.sum(v * v, axis=0)
+        beta = tl.where(vv > tiny, 2.0 / tl.maximum(vv, tiny), 0.0)
+        p = tl.sum(a * v[None, :], axis=1) * beta
+        w = p - (0.5 * beta * tl.sum(v * p, axis=0)) * v
+        a = a - v[:, None] * w[None, :] - w[:, None] * v[None, :]
+        u = v * tl.sqrt(beta)  # H_k = I - u u^T
+        tl.store(a_ptr + matrix * m * m + k * m + rows, u.to(a_ptr.dtype.element_ty), mask=rows < m)
+    diagonal = tl.sum(tl.where(r == c, a, 0.0), axis=1)
+    below = tl.sum(tl.where(r == c + 1, a, 0.0), axis=1)  # e_i = T[i, i-1], e_0 = 0
+    above = tl.sum(tl.where(c == r + 1, a, 0.0), axis=1)  # T[i, i+1] = e_{i+1}
+    tl.store(d_ptr + matrix * m + rows, diagonal, mask=rows < m)
+    tl.store(e_ptr + matrix * m + rows, below, mask=rows < m)
+    tl.debug_barrier()
+
+    # 2. bisection: lane j converges on the j-th smallest eigenvalue (the device runs enough programs at once
+    #    that the division's latency is hidden: counting by quarters, 3 counts for 2 bits, measured slower)
+    radius = tl.abs(below) + tl.abs(above)
+    low = tl.min(tl.where(rows < m, diagonal - radius, float("inf")), axis=0)
+    high = tl.max(tl.where(rows < m, diagonal + radius, -float("inf")), axis=0)
+    scale = tl.maximum(tl.abs(low), tl.abs(high))
+    pivot_floor = tl.maximum(scale * (1e-300 if FP64 else 1e-36), tiny)
+    lower = tl.zeros((BLOCK,), dtype=dtype) + low
+    upper = tl.zeros((BLOCK,), dtype=dtype) + high
+    for _ in range(BISECTIONS):
+        middle = 0.5 * (lower + upper)
+        below_middle = tl.zeros((BLOCK,), dtype=tl.int32)
+        pivot = tl.zeros((BLOCK,), dtype=dtype) + 1.0
+        for i in range(0, m):
+            d_i = tl.load(d_ptr + matrix * m + i)
+            e_i = tl.load(e_ptr + matrix * m + i)
+            pivot = d_i - middle - e_i * e_i / pivot
+            pivot = tl.where(tl.abs(pivot) < pivot_floor, -pivot_floor, pivot)
+            below_middle += (pivot < 0).to(tl.int32)
+        to_left = below_middle > rows
+        upper = tl.where(to_left, middle, upper)
+        lower = tl.where(to_left, lower, middle)
+    tl.store(values_ptr + matrix * m + rows, (0.5 * (lower + upper)).to(values_ptr.dtype.element_ty),
+             mask=rows < m)
+
+
+@triton.jit
+def _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, rows,
+                   m: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr):
+    """(T - shift_j I) y_j = b_j for every lane j at once (LU without pivoting). The right sides are the
+    rows of ``work`` (row i holds b_i of every lane), or all ones with ``FIRST``; the solutions replace them.
+    Row i of the second half of ``work`` keeps the factor's c'_i between the two sweeps."""
+    base = work_ptr + matrix * 2 * m * BLOCK
+    c_prev = tl.zeros((BLOCK,), dtype=shift.dtype)
+    y_prev = tl.zeros((BLOCK,), dtype=shift.dtype)
+    for i in range(0, m):
+        d_i = tl.load(d_ptr + matrix * m + i)
+        e_i = tl.load(e_ptr + matrix * m + i)
+        e_next = tl.load(e_ptr + matrix * m + i + 1, mask=i + 1 < m, other=0.0)
+        if FIRST:
+            b_i = tl.zeros((BLOCK,), dtype=shift.dtype) + 1.0
+        else:
+            b_i = tl.load(base + i * BLOCK + rows)
+        pivot = d_i - shift - e_i * c_prev
+        pivot = tl.where(tl.abs(pivot) < pivot_floor, tl.where(pivot < 0, -pivot_floor, pivot_floor), pivot)
+        c_prev = e_next / pivot
+        y_prev = (b_i - e_i * y_prev) / pivot
+        tl.store(base + i * BLOCK + rows, y_prev)
+        tl.store(base + (m + i) * BLOCK + rows, c_prev)
+    y_next = tl.zeros((BLOCK,), dtype=shift.dtype)
+    for step in range(0, m):
+        i = m - 1 - step
+        y_i = tl.load(base + i * BLOCK + rows) - tl.load(base + (m + i) * BLOCK + rows) * y_next
+        tl.store(base + i * BLOCK + rows, y_i)
+        y_next = y_i
+
+
+@triton.jit
+def _orthonormal_columns(y, keep, rank, rows, tiny, m: tl.constexpr):
+    """Modified Gram-Schmidt over the kept lanes, from the largest eigenvalue (lane m-1) down."""
+    for t in range(0, rank):
+        j = m - 1 - t
+        column = tl.sum(tl.where(rows[None, :] == j, y, 0.0), axis=1)
+        column = column / tl.maximum(tl.sqrt(tl.sum(column * column, axis=0)), tiny)
+        overlap = tl.sum(y * column[:, None], axis=0)
+        overlap = tl.where(keep & (rows < j), overlap, 0.0)
+        y = y - column[:, None] * overlap[None, :]
+        y = tl.where(rows[None, :] == j, column[:, None], y)
+    return y
+
+
+@triton.jit
+def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, projector_ptr,
+                      m: tl.constexpr, BLOCK: tl.constexpr, FP64: tl.constexpr, SOLVES: tl.constexpr):
+    matrix = tl.program_id(0).to(tl.int64)
+    dtype = tl.float64 if FP64 else tl.float32
+    rows = tl.arange(0, BLOCK)
+    r = rows[:, None]
+    c = rows[None, :]
+    rank = tl.load(rank_ptr + matrix).to(tl.int32)
+    keep = (rows >= m - rank) & (rows < m)
+    out = projector_ptr + matrix * m * m + r * m + c
+    if rank == 0:
+        tl.store(out, tl.zeros((BLOCK, BLOCK), dtype=dtype).to(projector_ptr.dtype.element_ty),
+                 mask=(r < m) & (c < m))
+    else:
+        values = tl.load(values_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
+        scale = tl.max(tl.abs(values), axis=0)
+        eps = 2.2e-16 if FP64 else 1.2e-7
+        tiny = 1e-300 if FP64 else 1e-30
+        pivot_floor = tl.maximum(eps * scale, tiny)
+        # the shifts, nudged apart so that equal eigenvalues give different solves
+        shift = values + (rows - m / 2).to(dtype) * (eps * scale)
+        base = work_ptr + matrix * 2 * m * BLOCK
+        y = tl.zeros((BLOCK, BLOCK), dtype=dtype)
+        for solve in range(0, SOLVES):
+            tl.debug_barrier()
+            if solve == 0:
+                _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, rows, m, BLOCK, True)
+            else:
+                _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, rows, m, BLOCK, False)
+            tl.debug_barrier()
+            y = tl.load(base + r * BLOCK + c, mask=r < m, other=0.0)
+            y = _orthonormal_columns(tl.where(keep[None, :], y, 0.0), keep, rank, rows, tiny, m)
+            if solve + 1 < SOLVES:
+                tl.debug_barrier()
+                tl.store(base + r * BLOCK + c, y, mask=r < m)
+        # back to the matrix's basis: y <- H_0 (H_1 (... H_{m-3} y))
+        for step in range(0, m - 2):
+            k = m - 3 - step
+            u = tl.load(a_ptr + matrix * m * m + k * m + rows, mask=rows < m, other=0.0).to(dtype)
+            y = y - u[:, None] * tl.sum(u[:, None] * y, axis=0)[None, :]
+        projector = tl.dot(y, tl.trans(y), input_precision="ieee", out_dtype=dtype)
+        tl.store(out, projector.to(projector_ptr.dtype.element_ty), mask=(r < m) & (c < m))
+
+
+class TridiagonalEigh:
+    """Eigenvalues of a batch of symmetric matrices, then the projectors onto their leading eigenvectors.
+
+    ``values, info = solver.values(matrices)`` overwrites the contiguous (B, m, m) float32/float64 tensor
+    with what the projector needs and returns the eigenvalues (B, m) ascending and ``info`` (B,) int32
+    (always 0: bisection cannot fail to converge); ``solver.projector(rank)`` then returns the (B, m, m)
+    projectors onto the ``rank`` (B,) leading eigenvectors. Bisection steps: enough to shrink Gershgorin's
+    interval to the precision's rounding (``_bisections``: float32 27, float64 56).
+    """
+
+    backend = "triton tridiagonal (Householder + bisection + inverse iteration)"
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._state = None
+
+    def workspace_bytes(self, batch, m, dtype):
+        size = torch.empty((), dtype=dtype).element_size()
+        return batch * size * (2 * m * _block(m) + 3 * m)
+
+    def release_workspaces(self):
+        self._state = None
+
+    def values(self, matrices):
+        if matrices.ndim != 3 or matrices.shape[1] != matrices.shape[2] or not matrices.is_contiguous():
+            raise ValueError("matrices must be a contiguous (B, m, m) tensor")
+        if matrices.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"matrices must be float32 or float64, not {matrices.dtype}")
+        batch, m = matrices.shape[0], matrices.shape[-1]
+        if m > MAX_ORDER:
+            raise ValueError(f"the tridiagonal kernels take m <= {MAX_ORDER}, not {m}")
+        fp64 = matrices.dtype == torch.float64
+        d = torch.empty((batch, m), dtype=matrices.dtype, device=matrices.device)
+        e = torch.empty_like(d)
+        values = torch.empty_like(d)
+        if batch:
+            _values_kernel[(batch,)](matrices, d, e, values, m, BLOCK=_block(m), FP64=fp64,
+                                     BISECTIONS=_bisections(matrices.dtype), num_warps=_warps(m, matrices.dtype))
+        self._state = (matrices, d, e, values)
+        return values, torch.zeros(batch, dtype=torch.int32, device=matrices.device)
+
+    def projector(self, rank):
+        """(B, m, m) projectors onto the ``rank`` leading eigenvectors of the matrices ``values`` saw last."""
+        matrices, d, e, values = self._state
+        batch, m = values.shape
+        out = torch.empty((batch, m, m), dtype=matrices.dtype, device=matrices.device)
+        work = torch.empty((batch, 2 * m, _block(m)), dtype=matrices.dtype, device=matrices.device)
+        rank = rank.to(torch.int32).contiguous()
+        if batch:
+            _projector_kernel[(batch,)](matrices, d, e, values, rank, work, out, m, BLOCK=_block(m),
+                                        FP64=matrices.dtype == torch.float64, SOLVES=INVERSE_ITERATIONS,
+                                        num_warps=_warps(m, matrices.dtype))
+        return out
