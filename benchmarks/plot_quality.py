@@ -1,0 +1,99 @@
+"""Plot ``benchmarks/quality.py``'s phantom results: RMSE relative to dwidenoise's, and wall time, against T.
+
+    python benchmarks/plot_quality.py [RESULTS.json ...] [--out docs/figures/quality.png]
+
+Default inputs: ``benchmarks/results/quality.json`` and ``quality_t300.json`` (when present; runs at other
+shapes are plotted side by side, their T tells them apart). One panel per phantom family (low-rank phantoms
+by rank and noise, the DWI phantom by noise), RMSE in the mask divided by dwidenoise's on the same phantom;
+the last panel the median wall time over the phantoms of each T (log scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+import re
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_INPUTS = [HERE / "results" / "quality.json", HERE / "results" / "quality_t300.json"]
+STYLE = {"ours (defaults)": ("C0", "o", "-"), "ours (dwidenoise mode)": ("C0", "s", ":"),
+         "dwidenoise": ("k", "x", "--"), "dipy mppca": ("C2", "^", "-"), "patch-denoise": ("C3", "v", "-")}
+
+
+def family(phantom: str) -> str:
+    """'lowrank r3 s5 T32' -> 'lowrank r3 s5'."""
+    return re.sub(r"\s*T\d+$", "", phantom)
+
+
+def load(paths):
+    rows = []
+    for path in paths:
+        if Path(path).exists():
+            rows += json.loads(Path(path).read_text())["phantoms"]
+    if not rows:
+        raise SystemExit(f"plot_quality: none of {', '.join(map(str, paths))} exists")
+    return rows
+
+
+def plot(rows, out: Path):
+    families = sorted({family(r["phantom"]) for r in rows}, key=lambda f: (not f.startswith("lowrank"), f))
+    dwidenoise = {r["phantom"]: r["rmse_mask"] for r in rows if r["method"] == "dwidenoise"}
+    methods = [m for m in STYLE if any(r["method"] == m for r in rows)]
+    columns = 4
+    panels = len(families) + 1
+    fig, axes = plt.subplots((panels + columns - 1) // columns, columns, figsize=(13, 6.2), squeeze=False)
+    for ax, name in zip(axes.flat, families):
+        for method in methods:
+            points = sorted((r["volumes"], r["rmse_mask"] / dwidenoise[r["phantom"]]) for r in rows
+                            if r["method"] == method and family(r["phantom"]) == name and r["phantom"] in dwidenoise)
+            if points:
+                colour, marker, line = STYLE[method]
+                ax.plot(*zip(*points), color=colour, marker=marker, linestyle=line, label=method)
+        ax.axhline(1.0, color="0.7", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("volumes T")
+        ax.set_ylabel("RMSE / dwidenoise's")
+    ax = axes.flat[len(families)]
+    for method in methods:
+        by_volumes = {}
+        for r in rows:
+            if r["method"] == method:
+                by_volumes.setdefault(r["volumes"], []).append(r["seconds"])
+        points = sorted((t, float(np.median(s))) for t, s in by_volumes.items())
+        colour, marker, line = STYLE[method]
+        ax.plot(*zip(*points), color=colour, marker=marker, linestyle=line, label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title("wall time (median over phantoms)", fontsize=10)
+    ax.set_xlabel("volumes T")
+    ax.set_ylabel("seconds")
+    for extra in list(axes.flat)[panels:]:
+        extra.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower right", fontsize=9, frameon=False,
+               bbox_to_anchor=(0.98, 0.05) if panels < axes.size else (0.98, 0.0))
+    fig.suptitle("MP-PCA on phantoms with a known truth (benchmarks/quality.py)", fontsize=12)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("inputs", nargs="*", type=Path, default=DEFAULT_INPUTS)
+    parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "figures" / "quality.png")
+    args = parser.parse_args(argv)
+    print(plot(load(args.inputs), args.out))
+
+
+if __name__ == "__main__":
+    main()
