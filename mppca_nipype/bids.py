@@ -44,7 +44,7 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
                                     traits)
 
 from .engine.errors import MPPCAInputError
-from .io import atomic_destination
+from .io import atomic_destination, remove_stale_temporaries, staged_files
 
 PIPELINE_NAME = "mppca-nipype"
 CODE_URL = "https://github.com/mppca-nipype/mppca-nipype"
@@ -104,19 +104,6 @@ def copy_atomic(source, destination):
     with atomic_destination(destination) as tmp:
         shutil.copyfile(source, tmp)
     return Path(destination)
-
-
-def remove_stale_temporaries(path):
-    """Remove the temporary files a killed writer left beside ``path`` (``.<name>.<random>``).
-
-    Only call it while holding the lock that guards ``path`` (another writer's live temporary would go)."""
-    path = Path(path)
-    for stale in path.parent.glob(f".{glob_escape(path.name)}.*"):
-        stale.unlink(missing_ok=True)
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 @contextmanager
@@ -554,28 +541,15 @@ class DerivativesSink(SimpleInterface):
 
         # stage every file beside its destination, then rename them all at once (SIGTERM held off):
         # a run killed at any point leaves either all of its derivatives or none it did not have before
-        staged = []
-        try:
-            for key, content in contents:
-                path = root / names[key]
-                path.parent.mkdir(parents=True, exist_ok=True)
-                remove_stale_temporaries(path)  # left by a killed run (the app holds this run's lock)
-                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-                os.close(fd)
-                staged.append((tmp, path))
+        # (stale temporaries of a killed run are cleared: the app holds this run's lock)
+        destinations = [root / names[key] for key, _ in contents]
+        with staged_files(destinations, commit=commit_together, clear_stale=True, make_folders=True) as staged:
+            for (_, content), path in zip(contents, destinations):
                 if isinstance(content, dict):
-                    Path(tmp).write_text(json.dumps(content, indent=2, default=_jsonable) + "\n")
+                    staged[path].write_text(json.dumps(content, indent=2, default=_jsonable) + "\n")
                 else:
-                    shutil.copyfile(content, tmp)
-                os.chmod(tmp, 0o644)
-            with commit_together():
-                for tmp, path in staged:
-                    os.replace(tmp, path)
-        finally:
-            for tmp, _ in staged:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        written = [str(path) for _, path in staged]
+                    shutil.copyfile(content, staged[path])
+        written = [str(path) for path in destinations]
         self._results.update(out_file=written[-1], out_files=written)
         return runtime
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 import os
 from pathlib import Path
+import re
 import tempfile
 
 import nibabel as nib
@@ -89,30 +90,87 @@ def check_writable(path, what="output"):
 
 
 @contextmanager
-def atomic_destination(path, suffix=""):
-    """A temporary file beside ``path`` for the block to write; renamed over ``path`` when the block
-    succeeds, removed when it fails, so that a reader never sees a half-written file and an interrupted run
-    leaves none behind. Its name is ``.<name>.<random><suffix>``; permissions follow the umask."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
-    os.close(fd)
+def staged_files(destinations, *, what=None, commit=None, clear_stale=False, make_folders=False):
+    """Reserve a temporary file beside each destination for the block to write; when the block succeeds,
+    rename them all into place.
+
+    Yields ``{destination as given: temporary Path}`` (same folder and suffix, hidden name
+    ``.<name>.<random><suffix>``). Creating the temporary files first proves that every destination can be
+    written before any work is done (else ``MPPCAInputError`` naming ``what[destination]``, a mapping, or
+    "output"); renaming only at the end means that a failure or an interrupt at any step leaves no output
+    at all: the temporary files are removed, and outputs already renamed are taken back. The renames run
+    inside ``commit()`` when given (e.g. with SIGTERM held off). The outputs get the usual permissions
+    (0666 less the umask), not the temporary files' private ones. ``clear_stale``: first remove the
+    temporaries a killed writer left beside each destination (only under the lock that guards them);
+    ``make_folders``: create missing folders.
+    """
+    staged = {}
     try:
-        yield tmp
-        umask = os.umask(0o022)  # mkstemp makes the file private; give it the usual permissions
+        for given in destinations:
+            path = Path(given)
+            if make_folders:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            if clear_stale:
+                remove_stale_temporaries(path)
+            suffix = ".nii.gz" if path.name.endswith(".nii.gz") else path.suffix
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+            except OSError as err:
+                label = what.get(given, "output") if what else "output"
+                raise MPPCAInputError(f"cannot write the {label} {path}: {err.strerror}") from None
+            os.close(fd)
+            staged[given] = Path(tmp)
+        yield staged
+        umask = os.umask(0o022)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        renamed = []
+        try:
+            with commit() if commit else _nothing():
+                for given, tmp in staged.items():
+                    os.chmod(tmp, 0o666 & ~umask)  # temporary files are private; outputs follow the umask
+                    os.replace(tmp, given)
+                    renamed.append(Path(given))
+        except BaseException:
+            for path in renamed:
+                path.unlink(missing_ok=True)
+            raise
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
 
 
-def save_like(array, reference, path, dtype=np.float32):
+@contextmanager
+def _nothing():
+    yield
+
+
+@contextmanager
+def atomic_destination(path):
+    """``staged_files`` for one file: a temporary path (str) beside ``path`` for the block to write, renamed
+    over ``path`` when the block succeeds, removed when it fails."""
+    with staged_files([path]) as staged:
+        yield str(staged[path])
+
+
+def remove_stale_temporaries(path):
+    """Remove the temporary files a killed writer left beside ``path`` (``.<name>.<random>``).
+
+    Only call it while holding the lock that guards ``path`` (another writer's live temporary would go)."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{glob_escape(path.name)}.*"):
+        stale.unlink(missing_ok=True)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def save_like(array, reference, path, dtype=np.float32, *, atomic=True):
     """Write ``array`` with the reference image's affine and header, atomically.
 
     The data are written to a temporary file in the destination folder, then renamed over ``path``: a
-    reader never sees a half-written file, and an interrupted run leaves none behind.
+    reader never sees a half-written file, and an interrupted run leaves none behind. ``atomic=False``
+    writes ``path`` itself (for a path that is already a ``staged_files`` temporary).
     """
     path = Path(path)
     header = reference.header.copy()
@@ -123,7 +181,9 @@ def save_like(array, reference, path, dtype=np.float32):
     image.header.set_slope_inter(1, 0)  # float output: no scaling
     if hasattr(image.header, "set_xyzt_units"):
         image.header.set_xyzt_units(*reference.header.get_xyzt_units())
-    suffix = ".nii.gz" if str(path).endswith(".nii.gz") else ".nii"
-    with atomic_destination(path, suffix) as tmp:
+    if not atomic:
+        nib.save(image, path)
+        return path
+    with atomic_destination(path) as tmp:
         nib.save(image, tmp)
     return path

@@ -9,13 +9,10 @@ Exit status: 0 done, 1 the input or the environment is wrong, 2 the command line
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
 from contextlib import contextmanager
 import os
-from pathlib import Path
 import signal
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -175,47 +172,6 @@ class ProgressBar:
             sys.stderr.flush()
             _bar_on_line = False
         return False
-
-
-@contextmanager
-def staged_outputs(paths):
-    """Reserve a temporary file beside each output; on success of the block, rename them all into place.
-
-    ``paths``: the destinations, or a mapping from each to what it is ("noise map") for the messages.
-    Yields ``{path as given: temporary Path}`` (same folder and suffix, hidden name). Creating the
-    temporary files up front proves every destination can be written before any work is done; writing to
-    them and renaming only at the end means a failure or an interrupt at any step leaves no output at all
-    (the temporary files are removed, and outputs already renamed are taken back). The outputs get the
-    usual permissions (0666 less the umask), not the temporary files' private ones.
-    """
-    staged = {}
-    try:
-        for given in paths:
-            path = Path(given)
-            suffix = ".nii.gz" if path.name.endswith(".nii.gz") else path.suffix
-            try:
-                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
-            except OSError as err:
-                what = paths[given] if isinstance(paths, Mapping) else "output"
-                raise MPPCAInputError(f"cannot write the {what} {path}: {err.strerror}") from None
-            os.close(fd)
-            staged[given] = Path(tmp)
-        yield staged
-        umask = os.umask(0o022)
-        os.umask(umask)
-        renamed = []
-        try:
-            for given, tmp in staged.items():
-                os.chmod(tmp, 0o666 & ~umask)  # temporary files are private; outputs follow the umask
-                os.replace(tmp, given)
-                renamed.append(Path(given))
-        except BaseException:
-            for path in renamed:
-                path.unlink(missing_ok=True)
-            raise
-    finally:
-        for tmp in staged.values():
-            tmp.unlink(missing_ok=True)
 
 
 # -- option types shared by the commands -------------------------------------------------------------

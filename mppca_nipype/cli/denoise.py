@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import io
 from ..engine import DEVICES, MPPCAInputError, MPPCAWarning, check_device, denoise, resolve_options
-from .common import (ArgumentParser, ProgressBar, add_denoising_options, positive_int, say, staged_outputs,
+from .common import (ArgumentParser, ProgressBar, add_denoising_options, positive_int, say,
                      user_errors, warnings_as_lines)
 
 PROG = "mppca-denoise"
@@ -111,7 +111,7 @@ def run(args, parser) -> None:
                 parser.error(f"the {what} {path} would overwrite the input {source}")
         io.check_writable(path, what)
 
-    with staged_outputs(outputs) as staged:
+    with io.staged_files(outputs, what=outputs) as staged:
         data = io.read_data(image, args.input)
         with ProgressBar(PROG, quiet=args.quiet) as progress:
             result = denoise(data, mask, **options, device=args.device, nprocs=args.nprocs,
@@ -119,7 +119,7 @@ def run(args, parser) -> None:
         maps = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
         for path in outputs:
             try:
-                io.save_like(maps[path], image, staged[path])
+                io.save_like(maps[path], image, staged[path], atomic=False)
             except OSError as err:
                 raise MPPCAInputError(f"cannot write the {outputs[path]} {path}: "
                                       f"{err.strerror or err}") from None
