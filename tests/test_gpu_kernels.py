@@ -555,3 +555,23 @@ def test_pipeline_with_the_tridiagonal_eigensolver_matches_cpu_backend(kernels, 
     gpu = denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal")
     assert gpu.info["eigensolver"].startswith("triton tridiagonal")
     assert_same_denoising(cpu, gpu, mask)
+
+
+def test_slab_planes_follow_the_free_device_memory(monkeypatch):
+    """All x-planes in one slab when the series and its sums take at most a quarter of the free memory;
+    else as many planes as fit (less the halo), and at least one."""
+    from mppca_nipype.engine.gpu import pipeline
+
+    plan = plan_patches((40, 30, 20), (5, 5, 5), 2, np.ones((40, 30, 20), bool), np.ones((40, 30, 20), bool))
+    whole = 40 * 30 * 20 * (8 * 100 + 20)  # bytes of series + sums at T = 100
+    cuda = torch.device("cuda")
+    for free, expected in ((4 * whole, 40), (2 * whole, None), (10, 1)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 10 * free))
+        planes = pipeline.slab_planes(cuda, plan, 100)
+        if expected is not None:
+            assert planes == expected
+        else:  # the budget over a plane's series, sums and next upload, less the halo (extent - 1)
+            per_plane = 30 * 20 * (12 * 100 + 24)
+            assert planes == int(pipeline.MEMORY_SHARE * 2 * whole / 2 // per_plane) - 4
+            assert 1 < planes < 40
+    assert pipeline.slab_planes(torch.device("cpu"), plan, 100) == 40
