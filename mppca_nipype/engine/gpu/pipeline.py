@@ -330,6 +330,11 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
         else:
             peak, device_name = 0, "cpu (Triton interpreter)"
     finally:
+        if pinned:  # no copy may still read the pages when they are unpinned (also after an error)
+            try:
+                torch.cuda.current_stream(device).synchronize()
+            except Exception:  # noqa: BLE001 - the error on its way up says more than this one
+                pass
         unpin()
     image, weight, sigma, rank = (x.numpy() for x in outputs)
     return PatchSums(image, weight, sigma, rank, normalized=normalize,
