@@ -17,7 +17,8 @@ all the eigenvalues, then the projector onto the leading ``rank`` eigenvectors (
 4. Back to the matrix's basis: y <- H_0 ... H_{m-3} y, and the projector Y Y^T (a matrix product).
 
 Cost: O(m^3) arithmetic per matrix, like the LAPACK path, but every step stays on one multiprocessor with
-no launch in between; a workspace of 2 m^2 + 4 m numbers per matrix besides the input. Accuracy: the
+no launch in between; a workspace of 2 m BLOCK + 3 m numbers per matrix (BLOCK: m to the next power of
+two) besides the input and the projectors. Accuracy: the
 backward stability of Householder and bisection (eigenvalues to ~eps ||A||); eigenvectors of a kept
 eigenvalue to ~eps ||A|| / gap, as LAPACK's.
 """
@@ -33,7 +34,7 @@ MAX_ORDER = 128
 #: Solves of the inverse iteration (each followed by re-orthonormalisation). With shifts accurate to the
 #: rounding, one solve amplifies the wanted eigenvector over the others by gap / (eps ||T||); the next ones
 #: remove what the first left and separate the members of a cluster (measured on the H200, 12,600 48 x 48
-#: matrices: 2 solves leave 1e-4 of projector error on clustered spectra, 3 leave 2e-6, at equal time).
+#: matrices: 2 solves leave 1e-4 of projector error on clustered spectra, 3 leave 6e-7, at equal time).
 INVERSE_ITERATIONS = 3
 
 
