@@ -5,7 +5,8 @@
 Default inputs: ``benchmarks/results/quality.json`` and ``quality_t300.json`` (when present; runs at other
 shapes are plotted side by side, their T tells them apart). One panel per phantom family (low-rank phantoms
 by rank and noise, the DWI phantom by noise), RMSE in the mask divided by dwidenoise's on the same phantom;
-the last panel the median wall time over the phantoms of each T (log scale).
+the last panel the median wall time over the phantoms of each T (log scale). Ratios above ``CLIP`` are
+drawn at it with their value.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+#: Ratios above this are drawn at it, labelled with their value (a failing peer would flatten the others).
+CLIP = 1.5
 DEFAULT_INPUTS = [HERE / "results" / "quality.json", HERE / "results" / "quality_t300.json"]
 STYLE = {"ours (defaults)": ("C0", "o", "-"), "ours (dwidenoise mode)": ("C0", "s", ":"),
          "dwidenoise": ("k", "x", "--"), "dipy mppca": ("C2", "^", "-"), "patch-denoise": ("C3", "v", "-")}
@@ -55,7 +58,12 @@ def plot(rows, out: Path):
                             if r["method"] == method and family(r["phantom"]) == name and r["phantom"] in dwidenoise)
             if points:
                 colour, marker, line = STYLE[method]
-                ax.plot(*zip(*points), color=colour, marker=marker, linestyle=line, label=method)
+                shown = [(t, min(ratio, CLIP)) for t, ratio in points]
+                ax.plot(*zip(*shown), color=colour, marker=marker, linestyle=line, label=method)
+                for t, ratio in points:  # off the scale: drawn at its top, with the value
+                    if ratio > CLIP:
+                        ax.annotate(f"{ratio:.1f}", (t, CLIP), textcoords="offset points", xytext=(-4, -12),
+                                    ha="right", fontsize=8, color=colour)
         ax.axhline(1.0, color="0.7", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(name, fontsize=10)
