@@ -358,25 +358,28 @@ def test_unsettled_windows_are_redone_in_float64(kernels, monkeypatch, aggregati
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
 
 
-class _SolverWithLittleMemory(ProjectorFromVectors):
-    """The pipeline's eigensolver, out of memory for batches above ``limit`` windows (after the Gram
-    matrices are made, before anything is added into the sums)."""
-
-    limit = 2
-    calls: list = []
+class _FaultySolver(ProjectorFromVectors):
+    """torch.linalg.eigh in the pipeline's solver interface, for subclasses to make fail."""
 
     def __init__(self, device):
         from mppca_nipype.engine.gpu.pipeline import _TorchEigh
 
         self.inner = _TorchEigh(device)
         self.backend = self.inner.backend
-        self.released = 0
 
     def workspace_bytes(self, batch, m, dtype):
         return 0
 
     def release_workspaces(self):
-        self.released += 1
+        pass
+
+
+class _SolverWithLittleMemory(_FaultySolver):
+    """The pipeline's eigensolver, out of memory for batches above ``limit`` windows (after the Gram
+    matrices are made, before anything is added into the sums)."""
+
+    limit = 2
+    calls: list = []
 
     def __call__(self, matrices):
         type(self).calls.append(len(matrices))
@@ -465,21 +468,9 @@ def test_slabs_with_a_halo_give_what_one_slab_gives(kernels, path, aggregation, 
     assert served.sum() >= mask.sum() - 1 and np.abs(whole.image[served]).min() > 100  # real values compared
 
 
-class _SolverThatFailsSomeWindows(ProjectorFromVectors):
+class _SolverThatFailsSomeWindows(_FaultySolver):
     """The pipeline's eigensolver reporting ``info != 0`` for every third matrix of each batch (a failed
     eigensolve, in float32 and float64 alike)."""
-
-    def __init__(self, device):
-        from mppca_nipype.engine.gpu.pipeline import _TorchEigh
-
-        self.inner = _TorchEigh(device)
-        self.backend = self.inner.backend
-
-    def workspace_bytes(self, batch, m, dtype):
-        return 0
-
-    def release_workspaces(self):
-        pass
 
     def __call__(self, matrices):
         values, vectors, info = self.inner(matrices)
