@@ -397,7 +397,9 @@ def dwidenoise_mode(rows):
 
 def defaults(rows, full):
     """(c): the package's defaults on long series, GPU against our CPU path on this machine's cores, with the
-    eigensolver's share (XsyevBatched alone on as many T x T matrices of the problem's kind)."""
+    eigensolver's share (XsyevBatched alone on as many T x T matrices of the problem's kind); and what the
+    float64 settling pass costs and buys there: float32 alone, and float64 from the start (one pass), each
+    with its error and the share of voxels whose rank map equals the CPU's."""
     cases = [("DWI-like", (96, 96, 60) if full else (40, 40, 24), 300),
              ("fMRI-like", (64, 64, 40) if full else (28, 28, 18), 1000)]
     for name, shape, n_volumes in cases:
@@ -409,21 +411,31 @@ def defaults(rows, full):
         data, finite, plan, options = prepare(noisy, VOLUME_OPTIONS)
         print(f"{problem}: {plan.n_windows} windows of {plan.patch_size} x {n_volumes}", flush=True)
         started = time.perf_counter()
-        reference, _ = finish(denoise_cpu(data, finite, plan, options), data.shape)
+        reference, reference_rank = finish(denoise_cpu(data, finite, plan, options), data.shape)
         cpu_seconds = time.perf_counter() - started
         rows.append(dict(problem=problem, variant=f"our CPU path, {os.cpu_count()} processes", ms=cpu_seconds * 1e3,
                          **errors(reference, reference, truth), peak_gib=0.0, n_windows=plan.n_windows))
         print(rows[-1], flush=True)
         seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options), repeats=2)
-        denoised, _ = finish(sums, data.shape)
+        denoised, rank = finish(sums, data.shape)
         m = min(plan.patch_size, n_volumes)
         rows.append(dict(problem=problem, variant=f"ours ({sums.info['gram_path']} Gram + {sums.info['eigensolver']})",
                          ms=seconds * 1e3, **errors(denoised, reference, truth), peak_gib=peak / 2**30,
                          batch=sums.info["batch"], speedup_vs_cpu=cpu_seconds / seconds,
                          n_settled_in_float64=sums.info["n_settled_in_float64"],
+                         rank_map_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3)),
                          eigensolver_alone_ms=eigensolver_share(plan.n_windows, m, sums.info["batch"],
                                                                 sums.info["n_settled_in_float64"])))
         print(rows[-1], flush=True)
+        # the settling pass's price on long series: float32 alone, and float64 from the start (one pass)
+        for name, kwargs in (("float32 alone (no settling)", dict(settle=False)),
+                             ("float64 from the start (one pass)", dict(precision="float64"))):
+            seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs), repeats=1)
+            denoised, rank = finish(sums, data.shape)
+            rows.append(dict(problem=problem, variant=name, ms=seconds * 1e3, **errors(denoised, reference, truth),
+                             peak_gib=peak / 2**30, speedup_vs_cpu=cpu_seconds / seconds,
+                             rank_map_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3))))
+            print(rows[-1], flush=True)
 
 
 def eigensolver_share(count, m, batch, count64):
