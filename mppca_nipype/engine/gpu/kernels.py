@@ -84,6 +84,18 @@ def _patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
     return row, voxel_valid, x
 
 @triton.jit
+def _gram_chunk(volume_ptr, finite_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
+                n_voxels: tl.constexpr, n_volumes: tl.constexpr, FP64: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_patch_rows``' time courses in the Gram's precision, and which of the voxels take part (finite)."""
+    row, voxel_valid, x = _patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
+                                      n_voxels, n_volumes, BLOCK_N)
+    took = tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
+    if FP64:
+        x = x.to(tl.float64)
+    return x, took
+
+
+@triton.jit
 def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gram_ptr, n_took_part_ptr,
                  volume_mean_ptr, n_voxels: tl.constexpr, n_volumes: tl.constexpr,
                  DEMEAN: tl.constexpr, FP64: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -103,11 +115,8 @@ def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gra
         else:
             total = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
         for start in range(0, n_voxels, BLOCK_N):
-            row, voxel_valid, x = _patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
-                                              n_voxels, n_volumes, BLOCK_N)
-            took = tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
-            if FP64:
-                x = x.to(tl.float64)
+            x, took = _gram_chunk(volume_ptr, finite_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
+                                  n_voxels, n_volumes, FP64, BLOCK_N)
             total += x * took[:, None]
             took_part += took
         n_took_part = tl.sum(took_part, axis=0)
@@ -116,11 +125,8 @@ def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gra
                  mask=volume_valid)
     for start in range(0, n_voxels, BLOCK_N):
         # one chunk of the patch: BLOCK_N voxels x all volumes (non-finite voxels hold zeros)
-        row, voxel_valid, x = _patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
-                                          n_voxels, n_volumes, BLOCK_N)
-        took = tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
-        if FP64:
-            x = x.to(tl.float64)
+        x, took = _gram_chunk(volume_ptr, finite_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
+                              n_voxels, n_volumes, FP64, BLOCK_N)
         if DEMEAN == "voxel":
             mean = tl.sum(x, axis=1) / n_volumes
             x = tl.where(volume_valid[None, :], x - mean[:, None], 0.0)
