@@ -19,6 +19,9 @@
     tridiagonal eigenvalues with a Newton-Schulz projector, on 12,600 Gram matrices for T in 32..128 (and
     clustered and rank-deficient ones), timed and checked against XsyevBatched in float64.
 (p) the seed's problem under torch's profiler: device time per stage and kernel.
+(r) long series (T = 300, 1000; windows of (c)'s phantoms): the float32 eigensolve's eigenvalue errors, the
+    float64 Rayleigh quotients of its eigenvectors, the ranks and the windows each settling criterion flags.
+(w) the tridiagonal kernels' time per warps per program (values, Householder alone, projector).
 (s) the CPU path's scaling on this machine (no GPU): ``nproc``, the cgroup's CPU quota and affinity, and
     ``denoise(low_rank_phantom((64, 64, 40), 48)[0], device="cpu", nprocs=k)`` for k = 1, 4, 16 in fresh
     processes (and k = 16 after CUDA was initialised, as inside this suite), with the cgroup's CPU time and
@@ -395,25 +398,37 @@ def dwidenoise_mode(rows):
                      ms=seconds * 1e3, **errors(result.denoised, reference, truth), peak_gib=peak / 2**30))
 
 
-def defaults(rows, full):
-    """(c): the package's defaults on long series, GPU against our CPU path on this machine's cores, with the
-    eigensolver's share (XsyevBatched alone on as many T x T matrices of the problem's kind); and what the
-    float64 settling pass costs and buys there: float32 alone, and float64 from the start (one pass), each
-    with its error and the share of voxels whose rank map equals the CPU's."""
-    cases = [("DWI-like", (96, 96, 60) if full else (40, 40, 24), 300),
-             ("fMRI-like", (64, 64, 40) if full else (28, 28, 18), 1000)]
-    for name, shape, n_volumes in cases:
+def long_series(full):
+    """(c)'s two phantoms: (name, noisy, truth) of a DWI-like T = 300 and an fMRI-like T = 1000 series."""
+    for name, shape, n_volumes in (("DWI-like", (96, 96, 60) if full else (40, 40, 24), 300),
+                                   ("fMRI-like", (64, 64, 40) if full else (28, 28, 18), 1000)):
         if name == "DWI-like":
             noisy, truth, _, _ = dwi_phantom(shape, n_volumes=n_volumes, sigma=20.0, seed=2)
         else:
             noisy, truth = low_rank_phantom(shape, n_volumes=n_volumes, rank=8, sigma=10.0, seed=3)
-        problem = f"defaults {name} {'x'.join(map(str, shape))}x{n_volumes}"
+        yield f"defaults {name} {'x'.join(map(str, shape))}x{n_volumes}", noisy, truth
+
+
+def defaults(rows, full, cpu=True):
+    """(c): the package's defaults on long series, GPU against our CPU path on this machine's cores, with the
+    eigensolver's share (XsyevBatched alone on as many T x T matrices of the problem's kind); and what the
+    float64 settling pass costs and buys there: float32 alone, and float64 from the start (one pass), each
+    with its error and the share of voxels whose rank map equals the CPU's. ``cpu=False`` (``--no-cpu``):
+    the GPU's float64 one-pass run stands in for the CPU path as the reference (no speedups)."""
+    for problem, noisy, truth in long_series(full):
         data, finite, plan, options = prepare(noisy, VOLUME_OPTIONS)
+        n_volumes = data.shape[3]
         print(f"{problem}: {plan.n_windows} windows of {plan.patch_size} x {n_volumes}", flush=True)
         started = time.perf_counter()
-        reference, reference_rank = finish(denoise_cpu(data, finite, plan, options), data.shape)
-        cpu_seconds = time.perf_counter() - started
-        rows.append(dict(problem=problem, variant=f"our CPU path, {os.cpu_count()} processes", ms=cpu_seconds * 1e3,
+        if cpu:
+            reference, reference_rank = finish(denoise_cpu(data, finite, plan, options), data.shape)
+            variant = f"our CPU path, {os.cpu_count()} processes"
+        else:
+            reference, reference_rank = finish(denoise_gpu(data, finite, plan, options, precision="float64"),
+                                               data.shape)
+            variant = "reference: GPU float64 from the start (no CPU run: --no-cpu)"
+        cpu_seconds = time.perf_counter() - started if cpu else float("nan")
+        rows.append(dict(problem=problem, variant=variant, ms=(time.perf_counter() - started) * 1e3,
                          **errors(reference, reference, truth), peak_gib=0.0, n_windows=plan.n_windows))
         print(rows[-1], flush=True)
         seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options), repeats=2)
@@ -423,6 +438,7 @@ def defaults(rows, full):
                          ms=seconds * 1e3, **errors(denoised, reference, truth), peak_gib=peak / 2**30,
                          batch=sums.info["batch"], speedup_vs_cpu=cpu_seconds / seconds,
                          n_settled_in_float64=sums.info["n_settled_in_float64"],
+                         eigenvalues_refined=sums.info.get("eigenvalues_refined"),
                          rank_map_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3)),
                          eigensolver_alone_ms=eigensolver_share(plan.n_windows, m, sums.info["batch"],
                                                                 sums.info["n_settled_in_float64"])))
@@ -436,6 +452,140 @@ def defaults(rows, full):
                              peak_gib=peak / 2**30, speedup_vs_cpu=cpu_seconds / seconds,
                              rank_map_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3))))
             print(rows[-1], flush=True)
+
+
+def long_series_refinement(full):
+    """(r) issue 3 at T = 300 / 1000: what a float32 eigensolve gets wrong on the defaults' windows of (c)'s
+    phantoms, and what float64 Rayleigh-Ritz on its eigenvectors at both ends repairs
+    (``ProjectorFromVectors.refine``).
+    On windows spread over each phantom: eigenvalue errors against float64 XsyevBatched (in float32 roundings
+    of the largest eigenvalue), rank agreement, the share of windows each criterion leaves unsettled and
+    the share whose rank differs yet is not flagged (must be 0), and the time of each step per window."""
+    from mppca_nipype.engine.gpu.pipeline import (REFINE_BLOCK, REFINE_GUARD, _gather_gram, rounding_uncertainty,
+                                                  unsettled_ranks)
+
+    solver, eps, results = BatchedEigh("cuda"), torch.finfo(torch.float32).eps, []
+    for problem, noisy, _ in long_series(full):
+        data, finite, plan, options = prepare(noisy, VOLUME_OPTIONS)
+        n_volumes = data.shape[3]
+        volume = torch.from_numpy(data.reshape(-1, n_volumes)).cuda()
+        finite_rows = torch.from_numpy(finite.reshape(-1).astype(np.float32)).cuda()
+        chosen = np.linspace(0, plan.n_windows - 1, min(512 if n_volumes >= 1000 else 2048, plan.n_windows))
+        base = torch.from_numpy(plan.window_base()[chosen.astype(np.int64)]).cuda()
+        offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).cuda()
+        count, ms = len(base), {}
+
+        def timed(key, run, repeats=3):
+            result = run()
+            best = float("inf")
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                result = run()
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - started)
+            ms[key] = best * 1e3 / count
+            return result
+
+        gram32 = timed("Gram float32 (gathered, cuBLAS)",
+                       lambda: _gather_gram(volume, finite_rows, base, offsets, "volume", torch.float32, True)[0])
+        gram64, _, _, took_part, _ = timed(
+            "Gram float64 (gathered, cuBLAS)",
+            lambda: _gather_gram(volume, finite_rows, base, offsets, "volume", torch.float64, True))
+        usable = took_part.sum(dim=1).to(torch.int64) - 1
+        rank_of = lambda values: marchenko_pastur_threshold(values, usable, n_volumes, "exp2")[0]  # noqa: E731
+        values64 = timed("XsyevBatched float64 (values + vectors)", lambda: solver(gram64.clone())[0])
+        values32 = timed("XsyevBatched float32 (values + vectors)", lambda: solver(gram32.clone())[0]).double()
+        timed("XsyevBatched float32, values only", lambda: solver(gram32.clone(), vectors=False))
+        rounded = solver.values(gram64.to(torch.float32))[0].double()
+        vectors = solver._vectors
+
+        def refine():
+            solver._vectors = vectors
+            return solver.refine(gram64, REFINE_BLOCK)
+
+        refined, refine_info = timed("refinement in float64 (Rayleigh-Ritz at both ends)", refine)
+        rank64, rank32, rank_rounded, rank_refined = (rank_of(v) for v in (values64, values32, rounded, refined))
+        unit = eps * values64[:, -1:]
+        m = values64.shape[1]
+
+        def spread(values, columns=slice(None)):
+            error = ((values - values64).abs() / unit)[:, columns].amax(dim=1).cpu().numpy()
+            return dict(median=float(np.median(error)), p99=float(np.percentile(error, 99)), max=float(error.max()))
+
+        row = dict(problem=problem, windows=count, ms_per_window=ms,
+                   error_in_float32_roundings=dict(
+                       float32_gram=spread(values32), rounded_float64_gram=spread(rounded),
+                       refined_top_block=spread(refined, slice(m - REFINE_BLOCK, m)),
+                       refined_smallest=spread(refined, slice(0, 1)), float32_smallest=spread(values32, slice(0, 1)),
+                       refined_all=spread(refined)),
+                   rank_equal_to_float64=dict(float32_gram=float((rank32 == rank64).double().mean()),
+                                              rounded_float64_gram=float((rank_rounded == rank64).double().mean()),
+                                              refined=float((rank_refined == rank64).double().mean())),
+                   refine_failed=int((refine_info != 0).sum()),
+                   rank_max=int(rank64.max()))
+        old = unsettled_ranks(values32, usable, n_volumes, "exp2", rank32, rounding_uncertainty(values32))
+        row["unsettled_float32_slack10"] = dict(
+            share=float(old.double().mean()), differ_unflagged=float(((rank32 != rank64) & ~old).double().mean()))
+        for slack in (0.01, 0.03, 0.1, 0.3, 1.0):
+            flagged = unsettled_ranks(refined, usable, n_volumes, "exp2", rank_refined,
+                                      rounding_uncertainty(refined, slack))
+            flagged |= rank_refined >= REFINE_BLOCK - REFINE_GUARD
+            row[f"unsettled_refined_slack{slack:g}"] = dict(
+                share=float(flagged.double().mean()),
+                differ_unflagged=float(((rank_refined != rank64) & ~flagged).double().mean()))
+        results.append(row)
+        print(json.dumps(row, indent=1), flush=True)
+        gram32 = gram64 = vectors = took_part = volume = None  # free the device before the next phantom
+        solver.release_workspaces()
+        torch.cuda.empty_cache()
+    return results
+
+
+def tridiagonal_warps(count=12_600):
+    """(w) issue 5: the tridiagonal kernels' time per warps per program on ``count`` seed-like Gram
+    matrices (m = 48, 64): values (Householder + bisection), Householder alone (no bisection step),
+    projector; each checked against float64 XsyevBatched (largest eigenvalue error over the largest
+    eigenvalue, largest projector deviation)."""
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh, _block, _values_kernel
+
+    xsyev, rows = BatchedEigh("cuda"), []
+    for m in (48, 64):
+        matrices, n, _ = gram_batch("patches", count, m)
+        values64, info = xsyev.values(matrices.clone())
+        voxels = torch.full((count,), n, dtype=torch.int64, device="cuda")
+        rank = marchenko_pastur_threshold(values64, voxels, m, "exp2")[0]
+        projector64 = xsyev.projector(rank)
+        work = matrices.to(torch.float32).contiguous()
+        for warps in (1, 2, 4, 8):
+            solver = TridiagonalEigh("cuda", warps=warps)
+            copies = [work.clone() for _ in range(6)]
+            d, e, v = (torch.empty((count, m), device="cuda") for _ in range(3))
+
+            def best(run):
+                times = []
+                for copy in copies:
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    result = run(copy)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - started)
+                return min(times[1:]) * 1e3, result
+
+            householder_ms, _ = best(lambda a: _values_kernel[(count,)](a, d, e, v, m, BLOCK=_block(m), FP64=False,
+                                                                       BISECTIONS=0, num_warps=warps))
+            copies = [work.clone() for _ in range(6)]
+            values_ms, values = best(lambda a: solver.values(a)[0])
+            projector_ms, projector = best(lambda _: solver.projector(rank))
+            row = dict(m=m, warps=warps, values_ms=values_ms, householder_alone_ms=householder_ms,
+                       projector_ms=projector_ms,
+                       values_err=float(((values.double() - values64).abs().amax(1) / values64[:, -1]).max()),
+                       projector_err=float((projector.double() - projector64).abs().amax()))
+            rows.append(row)
+            print(row, flush=True)
+        del matrices, work, projector64
+        torch.cuda.empty_cache()
+    return rows
 
 
 def eigensolver_share(count, m, batch, count64):
@@ -644,7 +794,10 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
-    parser.add_argument("--only", default="abcdev", help="which parts to run: any of a, b, c, e, v, s, 5, p")
+    parser.add_argument("--only", default="abcdev",
+                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w")
+    parser.add_argument("--no-cpu", action="store_true",
+                        help="(c) without our CPU path (the GPU's float64 run is the reference)")
     args = parser.parse_args()
     reason = usable()
     if reason is not None:
@@ -677,7 +830,9 @@ def main():
     part("p", profile_seed, "profile_seed")
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))
-    part("c", lambda: defaults(rows, args.full))
+    part("w", tridiagonal_warps, "tridiagonal_warps")
+    part("r", lambda: long_series_refinement(args.full), "long_series_refinement")
+    part("c", lambda: defaults(rows, args.full, cpu=not args.no_cpu))
     part("v", lambda: volume_demeaning(rows), "gram_kernel_ms")
     if "cpu_scaling" in report:
         print(report["cpu_scaling"]["machine"])

@@ -310,7 +310,7 @@ def test_a_rank_at_the_threshold_is_unsettled_and_one_far_from_it_is_not():
     signal eigenvalue sits where the estimator's answer changes is unsettled; the same window with that
     eigenvalue 1% away from there is not."""
     from mppca_nipype.engine.estimators import marchenko_pastur_threshold
-    from mppca_nipype.engine.gpu.pipeline import unsettled_ranks
+    from mppca_nipype.engine.gpu.pipeline import rounding_uncertainty, unsettled_ranks
 
     rng = np.random.default_rng(3)
     noise = rng.standard_normal((200, 30))
@@ -332,10 +332,69 @@ def test_a_rank_at_the_threshold_is_unsettled_and_one_far_from_it_is_not():
 
     def unsettled(scale):
         rank = marchenko_pastur_threshold(with_signal(scale), torch.tensor([200]), 30)[0]
-        return bool(unsettled_ranks(with_signal(scale), torch.tensor([200]), 30, "exp2", rank, slack=10.0)[0])
+        values = with_signal(scale)
+        return bool(unsettled_ranks(values, torch.tensor([200]), 30, "exp2", rank,
+                                    rounding_uncertainty(values, slack=10.0))[0])
 
     assert unsettled(low) and unsettled(high)
     assert not unsettled(0.99 * low) and not unsettled(1.01 * high)
+
+
+def test_refined_ends_of_the_spectrum_are_far_closer_to_float64_than_float32():
+    """A spectrum as on long series: a bulk whose spacing is below float32's error (~eps lambda_max) and a
+    few large signal eigenvalues. Rayleigh-Ritz in float64 on the float32 eigenvectors at both ends gives
+    those ends at least 10x closer to float64 LAPACK than the float32 eigenvalues; and their sum stays the
+    trace."""
+    from mppca_nipype.engine.gpu.pipeline import _TorchEigh
+
+    rng = np.random.default_rng(11)
+    m, block = 40, 8
+    spectrum = np.concatenate([np.sort(1.0 + 0.5 * rng.random(m - 3)), [2e5, 4e5, 1e6]])
+    errors32, errors_refined = [], []
+    matrices = []
+    for _ in range(6):
+        q, _ = np.linalg.qr(rng.standard_normal((m, m)))
+        matrices.append((q * spectrum) @ q.T)
+    matrices = torch.from_numpy(np.stack(matrices))
+    solver = _TorchEigh("cpu")
+    values32, info = solver.values(matrices.to(torch.float32).contiguous())
+    refined, refine_info = solver.refine(matrices, block)
+    exact = np.linalg.eigvalsh(matrices.numpy())
+    ends = np.r_[0:block, m - block:m]
+    errors32 = np.abs(values32.double().numpy() - exact)[:, ends]
+    errors_refined = np.abs(refined.numpy() - exact)[:, ends]
+    assert errors32.max() > 0.02  # the float32 bulk is blurred (spacing ~0.014)
+    assert errors_refined.max() < 0.1 * errors32.max()
+    assert int(refine_info.abs().sum()) == 0 and refined.dtype == torch.float64
+    np.testing.assert_allclose(refined.sum(dim=1).numpy(), np.trace(matrices.numpy(), axis1=1, axis2=2), rtol=1e-9)
+    assert (np.diff(refined.numpy(), axis=1) >= 0).all()
+    # the projector now comes from the top block's Ritz vectors, in float64
+    projector = solver.projector(torch.full((len(matrices),), 3))
+    _, exact_vectors = np.linalg.eigh(matrices.numpy())
+    top = exact_vectors[:, :, -3:]
+    assert projector.dtype == torch.float64 and projector.shape == matrices.shape
+    np.testing.assert_allclose(projector.numpy(), top @ top.transpose(0, 2, 1), atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
+def test_refined_gathered_runs_match_float64(kernels, monkeypatch, aggregation, stride):
+    """Gathered float32 runs with a full-eigenvector solver refine the spectrum's ends in float64 (with
+    blocks of 4 here, so that 14 x 14 matrices take the path) and match the float64 run."""
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=2, sigma=5.0, seed=6)
+    data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
+                                              aggregation=aggregation, demean="volume")
+    monkeypatch.setattr(pipeline, "REFINE_BLOCK", 4)
+    monkeypatch.setattr(pipeline, "REFINE_GUARD", 0)
+    refined = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path="gather")
+    in_float64 = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path="gather", precision="float64")
+    assert refined.info["eigenvalues_refined"] and refined.info["gram_precision"] == "float32"
+    assert refined.info["n_settled_in_float64"] < plan.n_windows
+    for got, want in ((refined.image, in_float64.image), (refined.sigma, in_float64.sigma),
+                      (refined.rank, in_float64.rank), (refined.weight, in_float64.weight)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 @interpreted

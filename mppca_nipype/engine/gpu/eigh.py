@@ -37,7 +37,8 @@ def _load_cusolver():
 class ProjectorFromVectors:
     """The pipeline's two-step interface for a solver that returns all eigenvectors at once:
     ``values, info = solver.values(matrices)``, then ``solver.projector(rank)`` (B, m, m) onto the ``rank``
-    leading eigenvectors of those matrices."""
+    leading eigenvectors of those matrices; in between, optionally, ``solver.refine`` (float64 eigenvalues
+    at both ends of the spectrum, and Ritz vectors for the projector)."""
 
     def values(self, matrices):
         values, self._vectors, info = self(matrices)
@@ -45,6 +46,42 @@ class ProjectorFromVectors:
 
     def projector(self, rank):
         return signal_projector(self._vectors, rank)
+
+    def refine(self, matrices, block):
+        """The eigenvalues of ``matrices`` (the matrices ``values`` saw, in float64) where the MP estimator
+        reads them, refined in float64 from the eigenvectors found in the lower precision.
+
+        The estimator's answer depends on the eigenvalues at the spectrum's two ends (the largest ones, down
+        into the noise bulk's upper edge, and the smallest) and on sums that the trace fixes. A float32
+        eigensolve gets every eigenvalue to ~eps ||A||, which on long series is more than the spacing of
+        the bulk: its eigenvectors there are mixed over that band, so single Rayleigh quotients are no
+        better (measured on the H200, docs/gpu.md). But a band of mixed vectors still spans the right
+        subspace: Rayleigh-Ritz in float64 on the ``block`` lowest and the ``block`` highest eigenvectors
+        (S^T A S, with S made orthonormal to second order, and its eigenvalues) gives both ends with an
+        error second order in what leaks out of the block; the eigenvalues between keep their Rayleigh
+        quotients v^T A v / v^T v (their sum, with the two blocks', is the trace). The top block's Ritz
+        vectors replace the eigenvectors: ``projector`` then gives, in float64, projectors onto up to
+        ``block`` leading eigenvectors (a float32 vector at the bulk's edge is as blurred as its eigenvalue).
+
+        Returns the refined eigenvalues ascending (B, m) float64 and an ``info`` (B,) int32 that is nonzero
+        where an eigensolve of the blocks failed. Needs m >= 2 ``block``.
+        """
+        vectors = self._vectors.to(torch.float64)
+        m = vectors.shape[-1]
+        products = matrices @ vectors
+        quotients = (vectors * products).sum(dim=1) / (vectors * vectors).sum(dim=1)
+        identity = torch.eye(block, dtype=torch.float64, device=vectors.device)
+        ends, info = [], torch.zeros(len(vectors), dtype=torch.int32, device=vectors.device)
+        for columns in (slice(0, block), slice(m - block, m)):
+            basis = vectors[:, :, columns]
+            half = 1.5 * identity - 0.5 * (basis.mT @ basis)  # S (I - (S^T S - I) / 2) is orthonormal to O(eps^2)
+            ritz = half @ (basis.mT @ products[:, :, columns]) @ half
+            values, ritz_vectors, failed = self((0.5 * (ritz + ritz.mT)).contiguous())
+            ends.append(values)
+            info |= failed
+        self._vectors = basis @ (half @ ritz_vectors)  # the top block's Ritz vectors, ascending: (B, m, block)
+        refined = torch.cat([ends[0], quotients[:, block:m - block], ends[1]], dim=1)
+        return refined.sort(dim=1).values, info
 
 
 class BatchedEigh(ProjectorFromVectors):
