@@ -98,7 +98,9 @@ def staged_files(destinations, *, what=None, commit=None, clear_stale=False, mak
     ``.<name>.<random><suffix>``). Creating the temporary files first proves that every destination can be
     written before any work is done (else ``MPPCAInputError`` naming ``what[destination]``, a mapping, or
     "output"); renaming only at the end means that a failure or an interrupt at any step leaves no output
-    at all: the temporary files are removed, and outputs already renamed are taken back. The renames run
+    at all: the temporary files are removed, and outputs already renamed are taken back (a file that was
+    there before, e.g. from an earlier run, is put back as it was: it is kept as a hard link, or renamed
+    aside where the file system has none, until every rename succeeded). The renames run
     inside ``commit()`` when given (e.g. with SIGTERM held off). The outputs get the usual permissions
     (0666 less the umask), not the temporary files' private ones. ``clear_stale``: first remove the
     temporaries a killed writer left beside each destination (only under the lock that guards them);
@@ -123,20 +125,41 @@ def staged_files(destinations, *, what=None, commit=None, clear_stale=False, mak
         yield staged
         umask = os.umask(0o022)
         os.umask(umask)
-        renamed = []
+        renamed = []  # (destination, the earlier file kept aside or None)
         try:
             with commit() if commit else _nothing():
                 for given, tmp in staged.items():
                     os.chmod(tmp, 0o666 & ~umask)  # temporary files are private; outputs follow the umask
+                    earlier = _keep_aside(Path(given), tmp)
+                    renamed.append((Path(given), earlier))
                     os.replace(tmp, given)
-                    renamed.append(Path(given))
         except BaseException:
-            for path in renamed:
-                path.unlink(missing_ok=True)
+            for path, earlier in reversed(renamed):
+                if earlier is not None:
+                    os.replace(earlier, path)
+                else:
+                    path.unlink(missing_ok=True)
             raise
+        for _, earlier in renamed:
+            if earlier is not None:
+                earlier.unlink(missing_ok=True)
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
+
+
+def _keep_aside(path: Path, tmp: Path):
+    """Keep the file at ``path`` (if any) under a temporary name beside it before it is replaced; returns
+    that name, or None when there is nothing to keep. A hard link keeps ``path`` in place meanwhile;
+    without hard links the file is renamed aside (``path`` then briefly does not exist)."""
+    if not path.exists():
+        return None
+    aside = tmp.with_name(tmp.name + ".earlier")
+    try:
+        os.link(path, aside)
+    except OSError:
+        os.replace(path, aside)
+    return aside
 
 
 @contextmanager
