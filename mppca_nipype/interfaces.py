@@ -102,12 +102,13 @@ def gpu_slot(devices=None):
 def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs):
     """Run the engine on a GPU when asked and usable, else on the CPU; return (result, notes, placement).
 
-    ``notes``: sentences for the provenance's warnings (the engine's, among them why a GPU run ended on the
-    CPU when the device ran out of memory, and ours when no GPU was usable). ``placement``: how the run was
-    placed (``GPUAsked``, ``GPUSlot``, ``CPUFallback``). The GPU runs on the device ``gpu_slot`` gives it,
-    so that concurrent nodes on a machine with several GPUs each use their own.
+    ``notes``: sentences for the provenance's warnings (the engine's, and ours when no GPU was usable or
+    the GPU ran out of memory). ``placement``: how the run was placed (``GPUAsked``, ``GPUSlot``,
+    ``CPUFallback``). The GPU runs on the device ``gpu_slot`` gives it, so that concurrent nodes on a
+    machine with several GPUs each use their own; a run that goes on on the CPU after the GPU ran out of
+    memory gives its slot back first (another node can use the GPU meanwhile).
     """
-    from .engine import MPPCAInputError, MPPCAWarning, check_device, denoise
+    from .engine import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, check_device, denoise
 
     notes, placement = [], {"GPUAsked": bool(use_gpu), "GPUSlot": None, "CPUFallback": None}
 
@@ -128,22 +129,24 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs):
             with gpu_slot() as slot:
                 if slot is not None:
                     placement["GPUSlot"] = dict(zip(("Index", "Device", "Shared"), slot))
-                result = _run_pinned(run, slot)
-            # the engine itself goes on on the CPU (with a warning) when the GPU runs out of memory
-            placement["CPUFallback"] = result.info.get("cpu_fallback")
-            return result, notes, placement
+                try:
+                    return _run_pinned(run, slot), notes, placement
+                except GPUOutOfMemoryError as err:
+                    placement["CPUFallback"] = err.reason
+            notes.append(f"{placement['CPUFallback']}; running on the CPU instead")
+            return run("cpu"), notes, placement
         notes.append(f"a GPU was asked for, but {placement['CPUFallback']}; ran on the CPU instead")
     return run("cpu"), notes, placement
 
 
 def _run_pinned(run, slot):
-    """``run("auto")`` with the slot's device as torch's current CUDA device (when there is a choice)."""
+    """``run("cuda")`` with the slot's device as torch's current CUDA device (when there is a choice)."""
     if slot is None or len(visible_gpus()) < 2:
-        return run("auto")
+        return run("cuda")
     import torch
 
     with torch.cuda.device(slot[0]):
-        return run("auto")
+        return run("cuda")
 
 
 class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):

@@ -272,6 +272,41 @@ def test_gpu_out_of_memory_falls_back_to_the_cpu_with_a_warning(bids_dir, tmp_pa
     np.testing.assert_allclose(nib.load(outputs.out_file).get_fdata(), expected.denoised, rtol=0, atol=1e-3)
 
 
+def test_the_cpu_run_after_gpu_out_of_memory_gives_the_gpu_slot_back_first(bids_dir, tmp_path, monkeypatch):
+    """The node holds its GPU's lock while the GPU runs out of memory, and has let it go when the CPU run
+    starts (another node may use the GPU meanwhile): another process probes the lock at both moments."""
+    import mppca_nipype.engine as engine
+    import mppca_nipype.interfaces as interfaces
+    from mppca_nipype.engine.cpu import denoise_cpu
+
+    torch = pytest.importorskip("torch")
+    locks = tmp_path / "locks"
+    monkeypatch.setenv("MPPCA_GPU_LOCK_DIR", str(locks))
+    monkeypatch.setattr(interfaces, "visible_gpus", lambda: ["GPU-fake"])
+    free = {}
+
+    def lock_is_free():
+        probe = ("import fcntl, sys; f = open(sys.argv[1], 'a'); "
+                 "fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)")
+        return subprocess.run([sys.executable, "-c", probe, str(locks / "gpu-GPU-fake.lock")],
+                              capture_output=True).returncode == 0
+
+    def denoise_gpu(*args, **kwargs):
+        free["during the GPU run"] = lock_is_free()
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    def cpu_backend(*args, **kwargs):
+        free["during the CPU run"] = lock_is_free()
+        return denoise_cpu(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "check_device", lambda device: "cpu" if device == "cpu" else "cuda")
+    monkeypatch.setattr(engine, "_backend", lambda device, options: cpu_backend if device == "cpu" else denoise_gpu)
+    outputs, provenance = run_node(tmp_path, bids_dir / RUNS[0], use_gpu=True)
+    assert free == {"during the GPU run": False, "during the CPU run": True}
+    assert provenance["Backend"] == "cpu" and provenance["GPUSlot"]["Device"] == "GPU-fake"
+    assert provenance["CPUFallback"].startswith("the GPU ran out of memory")
+
+
 def test_other_gpu_errors_are_not_hidden(bids_dir, tmp_path, monkeypatch):
     import mppca_nipype.engine as engine
 

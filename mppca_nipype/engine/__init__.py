@@ -14,12 +14,12 @@ import warnings
 
 import numpy as np
 
-from .errors import MPPCAInputError, MPPCAWarning, is_out_of_memory
+from .errors import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, is_out_of_memory
 from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
 __all__ = ["denoise", "DenoiseResult", "DenoiseOptions", "MPPCAInputError", "MPPCAWarning",
-           "MIN_VOLUMES", "DEFAULTS", "available_cpus", "check_device", "resolve_options"]
+           "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "available_cpus", "check_device", "resolve_options"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -207,7 +207,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
             raise
         reason = f"the GPU ran out of memory even in batches of a few windows ({_first_line(err)})"
         if device == "cuda":
-            raise MPPCAInputError(f"{reason}; free the GPU or use device 'cpu'") from None
+            raise GPUOutOfMemoryError(reason) from None
         warnings.warn(f"{reason}; running on the CPU instead", MPPCAWarning, stacklevel=2)
         sums = denoise_cpu(data, finite, plan, options, nprocs=nprocs, progress=progress)
         sums.info["cpu_fallback"] = reason

@@ -9,6 +9,15 @@ class MPPCAInputError(ValueError):
     """The input cannot be denoised as asked. The message is one sentence meant for the user."""
 
 
+class GPUOutOfMemoryError(MPPCAInputError):
+    """``denoise(device="cuda")`` ran out of GPU memory even in the smallest batches; ``reason`` says so
+    without the advice the message adds (for a caller that goes on on the CPU itself)."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}; free the GPU or use device 'cpu'")
+        self.reason = reason
+
+
 def is_out_of_memory(err: BaseException) -> bool:
     """Whether an exception from the GPU engine means the device ran out of memory: torch's
     OutOfMemoryError, or cuSOLVER/CUDA reporting a failed allocation (told apart by their text, so that
