@@ -294,6 +294,17 @@ def test_voxel_side_gram_when_patch_has_fewer_voxels_than_volumes(kernels, aggre
 
 
 @interpreted
+def test_the_longest_series_take_the_refined_gathered_path_and_match_cpu(kernels):
+    """T = 1500 (the longest series the engine is meant for) with the defaults' patch (13^3 voxels): the
+    gathered path, float32 eigensolve refined at both ends in float64, as the CPU backend in float64."""
+    noisy, _ = low_rank_phantom((14, 13, 13), n_volumes=1500, rank=4, sigma=5.0, seed=12)
+    cpu, gpu, mask = run_both(noisy, extent="wide", stride=3, estimator="exp2", aggregation="weighted",
+                              demean="volume")
+    assert gpu.info["gram_path"] == "gather" and gpu.info["eigenvalues_refined"]
+    assert_same_denoising(cpu, gpu, mask)
+
+
+@interpreted
 @pytest.mark.parametrize("demean", ["voxel", "volume"])
 def test_gathered_path_matches_fused_path(kernels, demean):
     noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=12, rank=2, sigma=5.0, seed=7)
