@@ -135,10 +135,13 @@ def staged_files(destinations, *, what=None, commit=None, clear_stale=False, mak
                     os.replace(tmp, given)
         except BaseException:
             for path, earlier in reversed(renamed):
-                if earlier is not None:
-                    os.replace(earlier, path)
-                else:
-                    path.unlink(missing_ok=True)
+                try:  # one that cannot be put back must not keep the others from it, nor hide the error
+                    if earlier is not None:
+                        os.replace(earlier, path)
+                    else:
+                        path.unlink(missing_ok=True)
+                except OSError:
+                    pass
             raise
         for _, earlier in renamed:
             if earlier is not None:
