@@ -237,3 +237,21 @@ def test_nonfinite_voxels_in_the_mask_warn_with_their_number():
     data, mask = nonfinite_data()
     messages = mppca_warnings(data, mask, extent=3, stride=2)
     assert any(m.startswith("3 voxels") and "NaN" in m for m in messages)
+
+
+@pytest.mark.parametrize("layout", ["C", "F"])
+def test_finite_voxels_finds_every_non_finite_value_even_where_squares_overflow(layout):
+    """The quick check (the sum of squares) must never call a series finite that is not, and values whose
+    squares overflow float32 (finite, so every voxel is kept) must not be taken for non-finite ones."""
+    from mppca_nipype.engine import _finite_voxels
+
+    rng = np.random.default_rng(5)
+    data = np.asarray(rng.standard_normal((5, 4, 3, 6)).astype(np.float32), order=layout)
+    assert _finite_voxels(data).all()
+    with np.errstate(over="raise"):
+        assert _finite_voxels(data * np.float32(1e30)).all()
+    for bad in (np.nan, np.inf, -np.inf):
+        spoilt = data.copy(order=layout)
+        spoilt[1, 2, 0, 3] = bad
+        finite = _finite_voxels(spoilt)
+        assert not finite[1, 2, 0] and finite.sum() == 5 * 4 * 3 - 1

@@ -127,11 +127,12 @@ def test_stride_one_plan_serves_each_wanted_voxel_from_its_own_window(shape, ext
     assert corners == sorted(set(corners))
 
 
+@pytest.mark.parametrize("everything_wanted", [False, True])
 @pytest.mark.parametrize("stride", [2, 3])
 @pytest.mark.parametrize("shape, extent", [((7, 5, 6), (3, 3, 3)), ((9, 6, 4), (3, 5, 1)), ((8, 8, 3), (5, 5, 3))])
-def test_strided_plan_runs_exactly_the_windows_holding_a_wanted_voxel(shape, extent, stride):
-    mask = random_mask(shape, 0.15, 3)
-    finite = ~random_mask(shape, 0.2, 4)
+def test_strided_plan_runs_exactly_the_windows_holding_a_wanted_voxel(shape, extent, stride, everything_wanted):
+    mask = np.ones(shape, bool) if everything_wanted else random_mask(shape, 0.15, 3)
+    finite = np.ones(shape, bool) if everything_wanted else ~random_mask(shape, 0.2, 4)
     plan = plan_patches(shape, extent, stride, mask, finite)
     wanted = mask & finite
     grid = itertools.product(*(grid_corners(s, e, stride) for s, e in zip(shape, extent)))

@@ -229,9 +229,14 @@ def _finite_voxels(data) -> np.ndarray:
     """(X, Y, Z) bool: the voxels whose whole time course is finite.
 
     One pass over the series when all of it is finite (the usual case: ``.all(axis=3)`` over a short last
-    axis costs 2.5 times the ``isfinite`` itself); voxel by voxel only when something is not.
+    axis costs 2.5 times the ``isfinite`` itself): the sum of squares (BLAS) is finite exactly when every
+    value is, unless it overflows, which only sends very large values down the exact path (on 96x96x48x48:
+    7.8 ms, against 12.4 for ``isfinite(...).all()``); voxel by voxel only when something is not finite.
     """
-    if np.isfinite(data).all():
+    flat = data.reshape(-1) if data.flags.c_contiguous else None
+    with np.errstate(over="ignore", invalid="ignore"):
+        squares_finite = flat is not None and np.isfinite(np.dot(flat, flat))
+    if squares_finite or np.isfinite(data).all():
         return np.ones(data.shape[:3], dtype=bool)
     return np.isfinite(data).all(axis=3)
 

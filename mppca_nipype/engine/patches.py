@@ -194,16 +194,20 @@ def plan_patches(spatial_shape, extent, stride: int, mask: np.ndarray, finite: n
             centre_position=inside[by_window],
         )
 
-    # stride > 1: a window runs when it holds any wanted voxel (a box sum over an integral image)
-    integral = np.zeros(tuple(s + 1 for s in spatial_shape), dtype=np.int64)
-    integral[1:, 1:, 1:] = wanted.astype(np.int64).cumsum(0).cumsum(1).cumsum(2)
-    px, py, pz = np.meshgrid(*positions, indexing="ij")
-    ex, ey, ez = extent
-    box = (integral[px + ex, py + ey, pz + ez]
-           - integral[px, py + ey, pz + ez] - integral[px + ex, py, pz + ez] - integral[px + ex, py + ey, pz]
-           + integral[px, py, pz + ez] + integral[px, py + ey, pz] + integral[px + ex, py, pz]
-           - integral[px, py, pz])
-    active = np.flatnonzero(box.ravel() > 0)
+    # stride > 1: a window runs when it holds any wanted voxel (a box sum over an integral image; every
+    # window when every voxel is wanted, the usual case, which skips the integral image's passes)
+    if wanted.all():
+        active = np.arange(int(np.prod(grid_shape)))
+    else:
+        integral = np.zeros(tuple(s + 1 for s in spatial_shape), dtype=np.int64)
+        integral[1:, 1:, 1:] = wanted.astype(np.int64).cumsum(0).cumsum(1).cumsum(2)
+        px, py, pz = np.meshgrid(*positions, indexing="ij")
+        ex, ey, ez = extent
+        box = (integral[px + ex, py + ey, pz + ez]
+               - integral[px, py + ey, pz + ez] - integral[px + ex, py, pz + ez] - integral[px + ex, py + ey, pz]
+               + integral[px, py, pz + ez] + integral[px, py + ey, pz] + integral[px + ex, py, pz]
+               - integral[px, py, pz])
+        active = np.flatnonzero(box.ravel() > 0)
     ax, ay, az = np.unravel_index(active, grid_shape)
     corner = np.stack([positions[0][ax], positions[1][ay], positions[2][az]], axis=1)
     return PatchPlan(
