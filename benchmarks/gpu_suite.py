@@ -22,6 +22,8 @@
 (r) long series (T = 300, 1000; windows of (c)'s phantoms): the float32 eigensolve's eigenvalue errors, the
     float64 Rayleigh quotients of its eigenvectors, the ranks and the windows each settling criterion flags.
 (w) the tridiagonal kernels' time per warps per program (values, Householder alone, projector).
+(g) the fused kernels' tile products in float32 ("ieee") or as three TF32 products ("tf32x3"): each kernel
+    alone, the Gram's error, and the seed's problem end to end with each.
 (s) the CPU path's scaling on this machine (no GPU): ``nproc``, the cgroup's CPU quota and affinity, and
     ``denoise(low_rank_phantom((64, 64, 40), 48)[0], device="cpu", nprocs=k)`` for k = 1, 4, 16 in fresh
     processes (and k = 16 after CUDA was initialised, as inside this suite), with the cgroup's CPU time and
@@ -628,6 +630,50 @@ def gram_kernel_alone(noisy, options):
     return dict(n_windows=plan.n_windows, patch=plan.patch_size, **times)
 
 
+def dot_precisions(rows):
+    """(g) issue 5: the fused kernels' tile products as float32 FMAs ("ieee") or three TF32 tensor-core
+    products ("tf32x3"), on the seed's problem: the Gram kernel and the reconstruction kernel alone (best of
+    10), the Gram's error against float64, and ``denoise_gpu`` end to end with each (best of 5), checked
+    against the GPU's float64 run (fused float64 Gram + XsyevBatched, as exact as the CPU path)."""
+    from mppca_nipype.engine.gpu import kernels
+
+    noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
+    reference, reference_rank = finish(denoise_gpu(data, finite, plan, options, precision="float64"), data.shape)
+    volume = torch.from_numpy(data.reshape(-1, data.shape[3])).cuda()
+    finite_rows = torch.from_numpy(finite.ravel().astype(np.float32)).cuda()
+    base = torch.from_numpy(plan.window_base()).cuda()
+    offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).cuda()
+    gram64, _, _ = kernels.gram(volume, finite_rows, base, offsets, demean="voxel", dtype=torch.float64)
+    n, m = len(base), data.shape[3]
+    projector = torch.eye(m, device="cuda").expand(n, m, m).contiguous()
+    ones = torch.ones(n, device="cuda")
+    sums = [torch.zeros((volume.shape[0], m), device="cuda")] + [torch.zeros(volume.shape[0], device="cuda")
+                                                                    for _ in range(3)]
+    result = {}
+    for precision in kernels.DOT_PRECISIONS:
+        gram_seconds, (gram32, _, _), _ = best_of(lambda: kernels.gram(
+            volume, finite_rows, base, offsets, demean="voxel", dot_precision=precision), repeats=10)
+        reconstruct_seconds, _, _ = best_of(lambda: kernels.reconstruct_accumulate(
+            volume, finite_rows, base, offsets, projector, ones, ones, ones, *sums, demean="voxel",
+            dot_precision=precision), repeats=10)
+        gram_error = float(((gram32.double() - gram64).norm(dim=(1, 2)) / gram64.norm(dim=(1, 2))).max())
+        kernels.DOT_PRECISION = precision
+        try:
+            seconds, out, peak = best_of(lambda: denoise_gpu(data, finite, plan, options))
+        finally:
+            kernels.DOT_PRECISION = "ieee"
+        denoised, rank = finish(out, data.shape)
+        result[precision] = dict(gram_ms=gram_seconds * 1e3, reconstruct_ms=reconstruct_seconds * 1e3,
+                                 gram_rel_error_max=gram_error, end_to_end_ms=seconds * 1e3,
+                                 n_settled=out.info["n_settled_in_float64"],
+                                 rank_map_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3)))
+        rows.append(dict(problem="seed", variant=f"ours, tile products {precision}", ms=seconds * 1e3,
+                         **errors(denoised, reference, truth), peak_gib=peak / 2**30))
+        print(precision, result[precision], rows[-1], flush=True)
+    return result
+
+
 def volume_demeaning(rows):
     """(v): the default-style call with demean "volume" vs "voxel", seed problem and DWI-like crop; the
     fused Gram kernel alone for both; returns the kernel times."""
@@ -795,7 +841,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
     parser.add_argument("--only", default="abcdev",
-                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w")
+                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w, g")
     parser.add_argument("--no-cpu", action="store_true",
                         help="(c) without our CPU path (the GPU's float64 run is the reference)")
     args = parser.parse_args()
@@ -831,6 +877,7 @@ def main():
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))
     part("w", tridiagonal_warps, "tridiagonal_warps")
+    part("g", lambda: dot_precisions(rows), "dot_precisions")
     part("r", lambda: long_series_refinement(args.full), "long_series_refinement")
     part("c", lambda: defaults(rows, args.full, cpu=not args.no_cpu))
     part("v", lambda: volume_demeaning(rows), "gram_kernel_ms")

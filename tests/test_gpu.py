@@ -240,3 +240,29 @@ def test_pipeline_with_the_tridiagonal_eigensolver_matches_cpu(options):
     print(options, f"denoised rms {rms:.2e}, ranks equal in {ranks:.4f} of voxels")
     assert rms <= 1e-4
     assert ranks >= (0.995 if options.get("aggregation") == "center" else 0.9)
+
+
+@pytest.mark.parametrize("demean", ["voxel", "volume"])
+def test_tf32x3_products_keep_float32_accuracy(monkeypatch, demean):
+    """The Gram and reconstruction kernels with ``tl.dot(input_precision="tf32x3")`` (three TF32 tensor-core
+    products per tile, an option measured against "ieee" in gpu_suite part g): the Gram within 1e-5 of a
+    float64 reference, and the whole run as close to the CPU as the "ieee" default must be."""
+    import torch
+
+    from mppca_nipype.engine.gpu import kernels
+
+    rng = np.random.default_rng(3)
+    n_rows, n_volumes, n_voxels = 4000, 48, 343
+    volume = (1000 + 30 * rng.standard_normal((n_rows, n_volumes))).astype(np.float32)
+    finite = np.ones(n_rows, dtype=np.float32)
+    offsets = np.sort(rng.choice(n_rows // 2, size=n_voxels, replace=False)).astype(np.int32)
+    base = rng.integers(0, n_rows - offsets.max(), size=64).astype(np.int64)
+    on_device = [torch.from_numpy(a).cuda() for a in (volume, finite, base, offsets)]
+    gram, _, _ = kernels.gram(*on_device, demean=demean, dot_precision="tf32x3")
+    patches = volume[base[:, None] + offsets[None, :]].astype(np.float64)
+    patches -= patches.mean(axis=2 if demean == "voxel" else 1, keepdims=True)
+    expected = patches.transpose(0, 2, 1) @ patches
+    assert np.linalg.norm(gram.cpu().numpy() - expected) / np.linalg.norm(expected) < 1e-5
+    monkeypatch.setattr(kernels, "DOT_PRECISION", "tf32x3")
+    noisy, _ = low_rank_phantom((24, 22, 16), n_volumes=48, rank=5, sigma=4.0, seed=4)
+    compare(noisy, extent=7, stride=2, aggregation="weighted", demean=demean)

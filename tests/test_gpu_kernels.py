@@ -89,6 +89,21 @@ def centred(patches, took, demean):
 
 
 @interpreted
+def test_tile_products_are_ieee_or_tf32x3_and_nothing_else(kernels):
+    """The launchers pass the tile-product precision through (the interpreter computes both in float32; the
+    GPU test checks tf32x3's accuracy) and refuse others."""
+    rng = np.random.default_rng(1)
+    volume = (1000 + 30 * rng.standard_normal((300, 13))).astype(np.float32)
+    finite = np.ones(300, dtype=np.float32)
+    base, offsets = random_windows(rng, 300, 4, 37)
+    tensors = as_tensors(volume, finite, base, offsets)
+    ieee = kernels.gram(*tensors, demean="volume", dot_precision="ieee")[0]
+    np.testing.assert_allclose(kernels.gram(*tensors, demean="volume", dot_precision="tf32x3")[0], ieee, rtol=1e-6)
+    with pytest.raises(ValueError, match="dot_precision must be one of"):
+        kernels.gram(*tensors, demean="volume", dot_precision="tf32")
+
+
+@interpreted
 @pytest.mark.parametrize("demean", ["none", "voxel", "volume"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n_volumes, n_voxels", [(13, 37), (20, 20), (3, 70)])

@@ -31,6 +31,19 @@ from ..estimators import DEMEANING
 #: Largest T the fused kernels take: the T x T tile lives in registers (float32; float64 tiles are half).
 MAX_FUSED_VOLUMES = 128
 MAX_FUSED_VOLUMES_FP64 = 64
+#: How ``tl.dot`` multiplies the float32 tiles of the Gram and reconstruction kernels: "ieee" (float32 FMAs
+#: on the CUDA cores) or "tf32x3" (three TF32 tensor-core products per tile, each operand split in a high and
+#: a low part: float32-like accuracy at tensor-core rates). Float64 tiles are always "ieee".
+DOT_PRECISIONS = ("ieee", "tf32x3")
+DOT_PRECISION = "ieee"
+
+
+def _dot_precision(dot_precision, dtype=torch.float32):
+    """The ``DOT`` a launcher passes: the one asked for (default ``DOT_PRECISION``), "ieee" in float64."""
+    dot_precision = dot_precision or DOT_PRECISION
+    if dot_precision not in DOT_PRECISIONS:
+        raise ValueError(f"dot_precision must be one of {DOT_PRECISIONS}, not {dot_precision!r}")
+    return "ieee" if dtype == torch.float64 else dot_precision
 
 
 def block_volumes(n_volumes: int) -> int:
@@ -98,7 +111,8 @@ def _gram_chunk(volume_ptr, finite_ptr, voxel_offsets_ptr, base, start, t, volum
 @triton.jit
 def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gram_ptr, n_took_part_ptr,
                  volume_mean_ptr, n_voxels: tl.constexpr, n_volumes: tl.constexpr,
-                 DEMEAN: tl.constexpr, FP64: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+                 DEMEAN: tl.constexpr, FP64: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
     window = tl.program_id(0)
     base = tl.load(window_base_ptr + window)  # int64: corner row of this window
     t = tl.arange(0, BLOCK_T)
@@ -134,7 +148,7 @@ def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gra
             x = (x - volume_mean[None, :]) * took[:, None]  # left-out voxels stay rows of zeros
         else:
             took_part += took
-        gram = tl.dot(tl.trans(x), x, gram, input_precision="ieee", out_dtype=gram.dtype)
+        gram = tl.dot(tl.trans(x), x, gram, input_precision=DOT, out_dtype=gram.dtype)
     out = gram_ptr + window.to(tl.int64) * n_volumes * n_volumes
     tl.store(out + t[:, None] * n_volumes + t[None, :], gram,
              mask=volume_valid[:, None] & volume_valid[None, :])
@@ -146,9 +160,10 @@ def _check_demean(demean):
         raise ValueError(f"demean must be one of {DEMEANING}, not {demean!r}")
 
 
-def gram(volume, finite, window_base, voxel_offsets, *, demean: str, dtype=torch.float32):
+def gram(volume, finite, window_base, voxel_offsets, *, demean: str, dtype=torch.float32, dot_precision=None):
     """Gram matrices X_c^T X_c (B, T, T) of the windows at ``window_base``, their voxels taking part (B,)
     and, for ``demean="volume"``, each patch's mean time course (B, T) float32 (else None).
+    ``dot_precision``: one of ``DOT_PRECISIONS`` (default ``DOT_PRECISION``).
 
     ``window_base`` (B,) int64: corner row of each window; ``voxel_offsets`` (n,) int32: rows from the
     corner. ``demean``: "none", "voxel" (remove each voxel's temporal mean) or "volume" (remove the mean
@@ -169,7 +184,8 @@ def gram(volume, finite, window_base, voxel_offsets, *, demean: str, dtype=torch
     if batch:
         _gram_kernel[(batch,)](volume, finite, window_base, voxel_offsets, out, n_took_part,
                                _or_placeholder(volume_mean, volume), n_voxels, n_volumes, DEMEAN=demean,
-                               FP64=dtype == torch.float64, BLOCK_N=_block_voxels(n_volumes),
+                               FP64=dtype == torch.float64, DOT=_dot_precision(dot_precision, dtype),
+                               BLOCK_N=_block_voxels(n_volumes),
                                BLOCK_T=block_volumes(n_volumes), num_warps=4)
     return out, n_took_part, volume_mean
 
@@ -181,7 +197,8 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
                                    volume_mean_ptr, patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
                                    image_ptr, weight_ptr, sigma_ptr, rank_ptr,
                                    n_voxels: tl.constexpr, n_volumes: tl.constexpr,
-                                   DEMEAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+                                   DEMEAN: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_T: tl.constexpr):
     window = tl.program_id(0)
     patch_weight = tl.load(patch_weight_ptr + window)
     if patch_weight != 0:
@@ -206,7 +223,7 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
                 x = tl.where(volume_valid[None, :], x - mean[:, None], 0.0)
             if DEMEAN == "volume":
                 x -= volume_mean[None, :]
-            restored = tl.dot(x, projector, input_precision="ieee")
+            restored = tl.dot(x, projector, input_precision=DOT)
             if DEMEAN == "voxel":
                 restored += mean[:, None]
             if DEMEAN == "volume":
@@ -221,12 +238,14 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
 
 
 def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector, patch_weight, patch_sigma,
-                           patch_rank, image, weight, sigma, rank, *, demean: str, volume_mean=None):
+                           patch_rank, image, weight, sigma, rank, *, demean: str, volume_mean=None,
+                           dot_precision=None):
     """Add w * (X_c P + mean) of every window to ``image`` (V, T) and w, w*sigma, w*rank to the maps (V,).
 
     ``projector`` (B, T, T) float32; ``patch_weight``, ``patch_sigma``, ``patch_rank`` (B,) float32 (a window
     with weight 0 is skipped: a failed eigensolve is redone on the CPU). ``demean`` as for ``gram``; with
-    "volume", ``volume_mean`` (B, T) is what ``gram`` returned: X_hat = (X - mu) P + mu.
+    "volume", ``volume_mean`` (B, T) is what ``gram`` returned: X_hat = (X - mu) P + mu. ``dot_precision``
+    as for ``gram``.
     """
     _check_volume(volume, finite)
     _check_demean(demean)
@@ -242,7 +261,7 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
         _reconstruct_accumulate_kernel[(batch,)](
             volume, finite, window_base, voxel_offsets, projector.contiguous(), _or_placeholder(volume_mean, volume),
             patch_weight, patch_sigma, patch_rank, image, weight, sigma, rank, voxel_offsets.numel(), n_volumes,
-            DEMEAN=demean,
+            DEMEAN=demean, DOT=_dot_precision(dot_precision),
             BLOCK_N=_block_voxels(n_volumes), BLOCK_T=block_volumes(n_volumes), num_warps=4)
 
 
