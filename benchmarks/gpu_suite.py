@@ -401,9 +401,11 @@ def dwidenoise_mode(rows):
 
 
 def long_series(full):
-    """(c)'s two phantoms: (name, noisy, truth) of a DWI-like T = 300 and an fMRI-like T = 1000 series."""
+    """(c)'s phantoms: (name, noisy, truth) of a DWI-like T = 300 and an fMRI-like T = 1000 series, and a
+    DWI-like T = 96 one (the fused path's range, where the gathered path could refine instead of settling)."""
     for name, shape, n_volumes in (("DWI-like", (96, 96, 60) if full else (40, 40, 24), 300),
-                                   ("fMRI-like", (64, 64, 40) if full else (28, 28, 18), 1000)):
+                                   ("fMRI-like", (64, 64, 40) if full else (28, 28, 18), 1000),
+                                   ("DWI-like", (96, 96, 60) if full else (40, 40, 24), 96)):
         if name == "DWI-like":
             noisy, truth, _, _ = dwi_phantom(shape, n_volumes=n_volumes, sigma=20.0, seed=2)
         else:
@@ -446,12 +448,17 @@ def defaults(rows, full, cpu=True):
                                                                 sums.info["n_settled_in_float64"])))
         print(rows[-1], flush=True)
         # the settling pass's price on long series: float32 alone, and float64 from the start (one pass)
-        for name, kwargs in (("float32 alone (no settling)", dict(settle=False)),
-                             ("float64 from the start (one pass)", dict(precision="float64"))):
+        variants = [("float32 alone (no settling)", dict(settle=False)),
+                    ("float64 from the start (one pass)", dict(precision="float64"))]
+        if sums.info["gram_path"] == "fused":
+            variants.append(("gathered path, refined in float64", dict(path="gather")))
+        for name, kwargs in variants:
             seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs), repeats=1)
             denoised, rank = finish(sums, data.shape)
             rows.append(dict(problem=problem, variant=name, ms=seconds * 1e3, **errors(denoised, reference, truth),
                              peak_gib=peak / 2**30, speedup_vs_cpu=cpu_seconds / seconds,
+                             n_settled_in_float64=sums.info["n_settled_in_float64"],
+                             eigenvalues_refined=sums.info["eigenvalues_refined"],
                              rank_map_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3))))
             print(rows[-1], flush=True)
 
@@ -463,7 +470,7 @@ def long_series_refinement(full):
     On windows spread over each phantom: eigenvalue errors against float64 XsyevBatched (in float32 roundings
     of the largest eigenvalue), rank agreement, the share of windows each criterion leaves unsettled and
     the share whose rank differs yet is not flagged (must be 0), and the time of each step per window."""
-    from mppca_nipype.engine.gpu.pipeline import (REFINE_BLOCK, REFINE_GUARD, _gather_gram, rounding_uncertainty,
+    from mppca_nipype.engine.gpu.pipeline import (REFINE_GUARD, _gather_gram, refine_block, rounding_uncertainty,
                                                   unsettled_ranks)
 
     solver, eps, results = BatchedEigh("cuda"), torch.finfo(torch.float32).eps, []
@@ -501,10 +508,11 @@ def long_series_refinement(full):
         timed("XsyevBatched float32, values only", lambda: solver(gram32.clone(), vectors=False))
         rounded = solver.values(gram64.to(torch.float32))[0].double()
         vectors = solver._vectors
+        block = refine_block(gram64.shape[-1])
 
         def refine():
             solver._vectors = vectors
-            return solver.refine(gram64, REFINE_BLOCK)
+            return solver.refine(gram64, block)
 
         refined, refine_info = timed("refinement in float64 (Rayleigh-Ritz at both ends)", refine)
         rank64, rank32, rank_rounded, rank_refined = (rank_of(v) for v in (values64, values32, rounded, refined))
@@ -518,7 +526,7 @@ def long_series_refinement(full):
         row = dict(problem=problem, windows=count, ms_per_window=ms,
                    error_in_float32_roundings=dict(
                        float32_gram=spread(values32), rounded_float64_gram=spread(rounded),
-                       refined_top_block=spread(refined, slice(m - REFINE_BLOCK, m)),
+                       refined_top_block=spread(refined, slice(m - block, m)),
                        refined_smallest=spread(refined, slice(0, 1)), float32_smallest=spread(values32, slice(0, 1)),
                        refined_all=spread(refined)),
                    rank_equal_to_float64=dict(float32_gram=float((rank32 == rank64).double().mean()),
@@ -532,7 +540,7 @@ def long_series_refinement(full):
         for slack in (0.01, 0.03, 0.1, 0.3, 1.0):
             flagged = unsettled_ranks(refined, usable, n_volumes, "exp2", rank_refined,
                                       rounding_uncertainty(refined, slack))
-            flagged |= rank_refined >= REFINE_BLOCK - REFINE_GUARD
+            flagged |= rank_refined >= block - REFINE_GUARD
             row[f"unsettled_refined_slack{slack:g}"] = dict(
                 share=float(flagged.double().mean()),
                 differ_unflagged=float(((rank_refined != rank64) & ~flagged).double().mean()))

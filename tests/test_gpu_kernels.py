@@ -309,12 +309,15 @@ def test_voxel_side_gram_when_patch_has_fewer_voxels_than_volumes(kernels, aggre
 
 
 @interpreted
-def test_the_longest_series_take_the_refined_gathered_path_and_match_cpu(kernels):
-    """T = 1500 (the longest series the engine is meant for) with the defaults' patch (13^3 voxels): the
-    gathered path, float32 eigensolve refined at both ends in float64, as the CPU backend in float64."""
-    noisy, _ = low_rank_phantom((14, 13, 13), n_volumes=1500, rank=4, sigma=5.0, seed=12)
-    cpu, gpu, mask = run_both(noisy, extent="wide", stride=3, estimator="exp2", aggregation="weighted",
-                              demean="volume")
+@pytest.mark.parametrize("shape, n_volumes, extent, path", [((14, 13, 13), 1500, "wide", "auto"),
+                                                            ((9, 8, 8), 70, 7, "gather")])
+def test_refined_gathered_runs_match_cpu(kernels, shape, n_volumes, extent, path):
+    """T = 1500 (the longest series the engine is meant for) with the defaults' patch (13^3 voxels), and
+    T = 70 on the gathered path (blocks of 35, half the spectrum each): the float32 eigensolve refined at
+    both ends in float64 gives what the CPU backend gives in float64."""
+    noisy, _ = low_rank_phantom(shape, n_volumes=n_volumes, rank=4, sigma=5.0, seed=12)
+    cpu, gpu, mask = run_both(noisy, extent=extent, stride=3, estimator="exp2", aggregation="weighted",
+                              demean="volume", path=path)
     assert gpu.info["gram_path"] == "gather" and gpu.info["eigenvalues_refined"]
     assert_same_denoising(cpu, gpu, mask)
 
@@ -413,6 +416,7 @@ def test_refined_gathered_runs_match_float64(kernels, monkeypatch, aggregation, 
     data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
                                               aggregation=aggregation, demean="volume")
     monkeypatch.setattr(pipeline, "REFINE_BLOCK", 4)
+    monkeypatch.setattr(pipeline, "REFINE_MIN_ORDER", 8)
     monkeypatch.setattr(pipeline, "REFINE_GUARD", 0)
     refined = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path="gather")
     in_float64 = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path="gather", precision="float64")

@@ -33,7 +33,7 @@ if the eigenvalues moved by ``SETTLE_SLACK`` float32 roundings of the largest (`
 them weight 0, and after the first pass (one synchronisation) redoes them, with any failed eigensolves, in
 float64 on the device.
 
-On long series (gathered path, m >= 2 ``REFINE_BLOCK``: T >= 128 with the defaults) a float32 eigensolve's
+On long series (gathered path, m >= ``REFINE_MIN_ORDER``: T > 128 with the defaults) a float32 eigensolve's
 error (~eps lambda_max) exceeds the spacing of the noise bulk, and the test above would flag most windows
 (83% at T = 1000, measured). There the patches and the Gram are float64, the eigensolver runs on the Gram
 rounded to float32, and Rayleigh-Ritz in float64 on the 64 lowest and 64 highest eigenvectors
@@ -78,9 +78,11 @@ MIN_BATCH = 64
 #: counts as unsettled in float32 and is redone in float64 (see ``unsettled_ranks``).
 SETTLE_SLACK = 10.0
 #: Eigenvectors at each end of the spectrum whose Rayleigh-Ritz values in float64 replace a float32
-#: eigensolve's eigenvalues (``ProjectorFromVectors.refine``; matrices of order >= 2 ``REFINE_BLOCK``).
+#: eigensolve's eigenvalues (``ProjectorFromVectors.refine``): ``refine_block`` of them, at most this many.
 REFINE_BLOCK = 64
-#: A refined window whose rank reaches ``REFINE_BLOCK - REFINE_GUARD`` is decided outside the refined top
+#: Smallest matrix order the refinement serves (below, the blocks would leave too little room for the rank).
+REFINE_MIN_ORDER = 64
+#: A refined window whose rank reaches its block less ``REFINE_GUARD`` is decided outside the refined top
 #: block: unsettled.
 REFINE_GUARD = 8
 #: ``SETTLE_SLACK`` for refined eigenvalues (their error is far below a float32 rounding of the largest).
@@ -248,6 +250,11 @@ def _gather_gram(volume, finite, window_base, voxel_offsets, demean, dtype, time
     return gram.contiguous(), patches, means, took_part, voxels
 
 
+def refine_block(m: int) -> int:
+    """Eigenvectors refined at each end of an m x m spectrum: ``REFINE_BLOCK``, or half the spectrum."""
+    return min(REFINE_BLOCK, m // 2)
+
+
 def rounding_uncertainty(values, slack=None):
     """(B, 1): ``slack`` (default ``SETTLE_SLACK``) float32 roundings of each window's largest eigenvalue, the
     scale of a float32 eigensolver's error on every eigenvalue (~eps ||A||)."""
@@ -369,7 +376,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
                                gram_path="fused" if run.fused else "gather", batch=run.step,
                                out_of_memory_retries=run.retries, n_slabs=len(slabs),
                                n_settled_in_float64=run.n_settled, n_redone_on_cpu=run.n_redone_on_cpu,
-                               eigenvalues_refined=run.refine,
+                               eigenvalues_refined=bool(run.refine),
                                gpu_peak_bytes=int(peak), seconds_engine=time.perf_counter() - started))
 
 
@@ -421,7 +428,7 @@ class _PlanRun:
         self.dtype = gram_precision(options, precision)
         self.solver = eigensolver_for(eigensolver, device, min(plan.patch_size, n_volumes), self.dtype)
         self.settle = settle and self.dtype == torch.float32
-        self.refine = False  # set with the Gram path: float32 + settling + gathered + all eigenvectors
+        self.refine = 0  # block size of the refinement, set with the Gram path (0: no refinement)
         self.window_base = plan.window_base()
         self.voxel_offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).to(device)
         self.step, self.retries, self.n_settled, self.n_redone_on_cpu = 0, 0, 0, 0
@@ -436,8 +443,10 @@ class _PlanRun:
                                                   and kernels.fused_fits(n_voxels, n_volumes, self.dtype))
             if self.fused and not kernels.fused_fits(n_voxels, n_volumes, self.dtype):
                 raise ValueError(f"the fused kernels do not take n={n_voxels}, T={n_volumes} in {self.dtype}")
-            self.refine = (self.settle and not self.fused and isinstance(self.solver, ProjectorFromVectors)
-                           and min(n_voxels, n_volumes) >= 2 * REFINE_BLOCK)
+            m = min(n_voxels, n_volumes)
+            refines = (self.settle and not self.fused and isinstance(self.solver, ProjectorFromVectors)
+                       and m >= REFINE_MIN_ORDER)
+            self.refine = refine_block(m) if refines else 0
         w0, w1 = slab.windows.start, slab.windows.stop
         if w1 == w0:
             return
@@ -489,12 +498,12 @@ class _SlabContext:
             self.centre_window = torch.from_numpy(self.centre_window_host.astype(np.int32)).to(device)
             self.centre_position = torch.from_numpy(plan.centre_position[a:b].astype(np.int64)).to(device)
 
-    def batch(self, windows, dtype, fused, settle, refine=False):
+    def batch(self, windows, dtype, fused, settle, refine=0):
         """Gram -> eigensolver -> threshold -> reconstruction of a batch of the slab's windows: a slice
         (first pass) or a sorted array of their indices (second pass). Returns the solver's ``info`` and, with
         ``settle``, the windows left unsettled (given weight 0 here); all on the device, no synchronisation.
-        With ``refine`` (gathered path, a solver with all eigenvectors, m >= 2 ``REFINE_BLOCK``) the
-        patches and the Gram are float64, the eigensolver runs on the Gram rounded to ``dtype``, and the
+        With ``refine`` (a block size: gathered path, a solver with all eigenvectors, m >= ``REFINE_MIN_ORDER``)
+        the patches and the Gram are float64, the eigensolver runs on the Gram rounded to ``dtype``, and the
         eigenvalues at both ends of the spectrum are refined in float64 (``ProjectorFromVectors.refine``):
         their far smaller error leaves far fewer windows unsettled on long series.
         Everything is allocated before anything is added into the sums (an out-of-memory retry is safe)."""
@@ -526,7 +535,7 @@ class _SlabContext:
             n_took_part = took_part.sum(dim=1).to(torch.int32)
         if refine:
             values, info = run.solver.values(gram.to(dtype))
-            values, refine_info = run.solver.refine(gram, REFINE_BLOCK)
+            values, refine_info = run.solver.refine(gram, refine)
             info = info | refine_info
         else:
             values, info = run.solver.values(gram)
@@ -541,7 +550,7 @@ class _SlabContext:
             delta = rounding_uncertainty(values, REFINED_SETTLE_SLACK if refine else SETTLE_SLACK)
             unsettled = unsettled_ranks(values, usable_voxels, usable_volumes, options.estimator, patch_rank, delta)
             if refine:
-                unsettled |= patch_rank >= REFINE_BLOCK - REFINE_GUARD
+                unsettled |= patch_rank >= refine - REFINE_GUARD
             keep &= ~unsettled
         keep = keep.to(torch.float64)
         if run.center:
