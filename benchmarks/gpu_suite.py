@@ -24,6 +24,7 @@
 (w) the tridiagonal kernels' time per warps per program (values, Householder alone, projector).
 (g) the fused kernels' tile products in float32 ("ieee") or as three TF32 products ("tf32x3"): each kernel
     alone, the Gram's error, and the seed's problem end to end with each.
+(h) the host side of ``denoise_gpu`` on the seed's problem: page-locking, uploads, pinned outputs, downloads.
 (s) the CPU path's scaling on this machine (no GPU): ``nproc``, the cgroup's CPU quota and affinity, and
     ``denoise(low_rank_phantom((64, 64, 40), 48)[0], device="cpu", nprocs=k)`` for k = 1, 4, 16 in fresh
     processes (and k = 16 after CUDA was initialised, as inside this suite), with the cgroup's CPU time and
@@ -682,6 +683,55 @@ def dot_precisions(rows):
     return result
 
 
+def host_pieces():
+    """(h) issue 5: the host side of ``denoise_gpu`` on the seed's problem, piece by piece (ms, best of 5):
+    page-locking the caller's (V, T) array in place and undoing it, its upload from page-locked and from
+    pageable memory, allocating the pinned outputs, the download into them; beside the whole backend."""
+    from mppca_nipype.engine.gpu.pipeline import _pin
+
+    noisy, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
+    host = np.ascontiguousarray(data.reshape(-1, data.shape[3]))
+    on_device = torch.from_numpy(host).cuda()
+
+    def timed(run, repeats=5):
+        best = float("inf")
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - started)
+        return best * 1e3
+
+    def pin_and_unpin():
+        pinned, unpin = _pin(host)
+        assert pinned
+        unpin()
+
+    def upload_pinned():
+        pinned, unpin = _pin(host)
+        torch.from_numpy(host).to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        unpin()
+
+    pieces = dict(
+        mb=host.nbytes / 2**20,
+        pin_and_unpin_ms=timed(pin_and_unpin),
+        upload_with_pinning_ms=timed(upload_pinned),
+        upload_pageable_ms=timed(lambda: torch.from_numpy(host).to("cuda")),
+        pinned_outputs_ms=timed(lambda: torch.empty(host.shape, dtype=torch.float32, pin_memory=True)),
+        download_pinned_ms=timed(lambda: torch.empty(host.shape, dtype=torch.float32, pin_memory=True)
+                                 .copy_(on_device, non_blocking=True)),
+        download_pageable_ms=timed(lambda: on_device.cpu()),
+        denoise_gpu_ms=timed(lambda: denoise_gpu(data, finite, plan, options)),
+        plan_ms=timed(lambda: plan_patches(data.shape[:3], options.extent, options.stride,
+                                           np.ones(data.shape[:3], bool), finite)),
+    )
+    print(pieces, flush=True)
+    return pieces
+
+
 def volume_demeaning(rows):
     """(v): the default-style call with demean "volume" vs "voxel", seed problem and DWI-like crop; the
     fused Gram kernel alone for both; returns the kernel times."""
@@ -849,7 +899,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
     parser.add_argument("--only", default="abcdev",
-                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w, g")
+                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w, g, h")
     parser.add_argument("--no-cpu", action="store_true",
                         help="(c) without our CPU path (the GPU's float64 run is the reference)")
     args = parser.parse_args()
@@ -886,6 +936,7 @@ def main():
     part("b", lambda: dwidenoise_mode(rows))
     part("w", tridiagonal_warps, "tridiagonal_warps")
     part("g", lambda: dot_precisions(rows), "dot_precisions")
+    part("h", host_pieces, "host_pieces")
     part("r", lambda: long_series_refinement(args.full), "long_series_refinement")
     part("c", lambda: defaults(rows, args.full, cpu=not args.no_cpu))
     part("v", lambda: volume_demeaning(rows), "gram_kernel_ms")
