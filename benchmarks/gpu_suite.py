@@ -7,7 +7,8 @@
     demeaning: NumPy one patch at a time on 1 BLAS thread (estimated from a subset), batched Gram +
     torch.linalg.eigh, batched Gram + XsyevBatched, the fused kernels + XsyevBatched at batch 2048 (the
     article's final step), ours (batch from free memory); plus ``denoise()`` itself, host to host.
-(b) dwidenoise mode (5^3, stride 1, centre, no demeaning, exp2) on 96x96x48x48; float64 (ours) and float32.
+(b) dwidenoise mode (5^3, stride 1, centre, no demeaning, exp2) on 96x96x48x48; float64 (ours) and float32
+    (the mean taken apart as a rank-one term with the tridiagonal kernels; and plainly with XsyevBatched).
 (c) defaults on a DWI-like (T = 300) and an fMRI-like (T = 1000) phantom, GPU and our CPU path on this
     machine's cores; ``--full`` runs the issue's full sizes (96x96x60x300, 64x64x40x1000), else crops of them.
 (d) peak GPU memory of each.
@@ -389,11 +390,14 @@ def dwidenoise_mode(rows):
                      ms=cpu_seconds * 1e3, **errors(reference, reference, truth), peak_gib=0.0))
     for name, kwargs in (("ours (float64 Gram + XsyevBatched)", dict()),
                          ("float64 Gram + tridiagonal eigensolver", dict(eigensolver="tridiagonal")),
-                         ("float32 Gram + XsyevBatched", dict(precision="float32"))):
+                         ("float32: demeaned Gram + the mean as a rank-one term, tridiagonal",
+                          dict(precision="float32", eigensolver="tridiagonal")),
+                         ("float32 Gram + XsyevBatched", dict(precision="float32", eigensolver="xsyev"))):
         seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs))
         denoised, rank = finish(sums, data.shape)
         rows.append(dict(problem="dwidenoise 96x96x48x48", variant=name, ms=seconds * 1e3,
                          **errors(denoised, reference, truth), peak_gib=peak / 2**30, batch=sums.info["batch"],
+                         n_settled_in_float64=sums.info["n_settled_in_float64"],
                          rank_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3))))
         print(rows[-1], flush=True)
     seconds, result, peak = best_of(lambda: denoise(noisy, device="cuda", **DWIDENOISE_OPTIONS), repeats=3)
@@ -583,8 +587,9 @@ def tridiagonal_warps(count=12_600):
                     times.append(time.perf_counter() - started)
                 return min(times[1:]) * 1e3, result
 
-            householder_ms, _ = best(lambda a: _values_kernel[(count,)](a, d, e, v, m, BLOCK=_block(m), FP64=False,
-                                                                       BISECTIONS=0, num_warps=warps))
+            householder_ms, _ = best(lambda a: _values_kernel[(count,)](a, d, e, v, d, d, m, BLOCK=_block(m),
+                                                                       FP64=False, BISECTIONS=0, RANK_ONE=False,
+                                                                       num_warps=warps))
             copies = [work.clone() for _ in range(6)]
             values_ms, values = best(lambda a: solver.values(a)[0])
             projector_ms, projector = best(lambda _: solver.projector(rank))

@@ -623,6 +623,75 @@ def test_tridiagonal_eigensolver_matches_lapack(kind, m, dtype):
         np.testing.assert_allclose(projector[b], kept @ kept.T, rtol=0, atol=40 * m * eps)
 
 
+def undemeaned_patch_grams(rng, count, n, m):
+    """Gram matrices of undemeaned patches on a baseline near 1000 (float64): the raw X^T X, and its parts
+    n mu mu^T + X_c^T X_c as (the volume-demeaned Gram, the unit mean direction, n ||mu||^2)."""
+    signal = rng.standard_normal((count, n, 3)) @ (rng.standard_normal((count, 3, m))
+                                                   * np.array([50.0, 20.0, 8.0])[None, :, None])
+    x = 1000 + signal + 4 * rng.standard_normal((count, n, m))
+    mean = x.mean(axis=1)
+    centred = x - mean[:, None, :]
+    norm2 = (mean**2).sum(axis=1)
+    return (x.transpose(0, 2, 1) @ x, centred.transpose(0, 2, 1) @ centred, mean / np.sqrt(norm2[:, None]),
+            n * norm2)
+
+
+@interpreted
+@pytest.mark.parametrize("m", [16, 21])
+def test_tridiagonal_eigensolver_takes_a_rank_one_term_apart(m):
+    """Eigenvalues of A + rho w w^T with rho ~1e8 times A's noise eigenvalues: in float32 the small ones
+    come out to a few roundings of ||A|| (solving the sum directly: 30-130 of them), the largest to a
+    rounding of itself; and the projectors onto the mean direction and onto the signal."""
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+
+    rng = np.random.default_rng(m)
+    full, demeaned, direction, weight = undemeaned_patch_grams(rng, 6, 40, m)
+    exact, vectors = np.linalg.eigh(full)
+    solver = TridiagonalEigh("cpu")
+    values, info = solver.values(torch.from_numpy(demeaned).float().contiguous(),
+                                 rank_one=(torch.from_numpy(direction), torch.from_numpy(weight)))
+    eps = np.finfo(np.float32).eps
+    scale = np.abs(np.linalg.eigvalsh(demeaned)).max(axis=1)
+    values = values.double().numpy()
+    assert (info == 0).all()
+    assert (np.abs(values - exact)[:, :-1].max(axis=1) <= 8 * eps * scale).all()
+    assert (np.abs(values[:, -1] - exact[:, -1]) <= 4 * eps * exact[:, -1]).all()
+    for rank, tolerance in ((1, 1e-5), (3, 1e-3)):
+        kept = vectors[:, :, m - rank:]
+        projector = solver.projector(torch.full((6,), rank)).double().numpy()
+        np.testing.assert_allclose(projector, kept @ kept.transpose(0, 2, 1), rtol=0, atol=tolerance)
+
+
+def test_projectors_whose_cut_float32_cannot_resolve_are_flagged():
+    """eps ||A|| / gap at the rank's cut above the limit: flagged; a wide gap, rank 0 or rank m: not."""
+    from mppca_nipype.engine.gpu.pipeline import unresolved_projectors
+
+    values = torch.tensor([[1.0, 2.0, 3.0, 1e4], [1.0, 2.0, 2.0 + 1e-3, 1e4], [1.0, 2.0, 2.0 + 1e-3, 1e4],
+                           [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    rank = torch.tensor([2, 2, 0, 4])
+    scale = torch.full((4,), 1e4, dtype=torch.float64)
+    # eps * 1e4 = 1.2e-3: over a gap of 1 that is 1.2e-3, over a gap of 1e-3 it is 1.2
+    assert unresolved_projectors(values, rank, scale, limit=1e-2).tolist() == [False, True, False, False]
+    assert unresolved_projectors(values, rank, scale, limit=1e-4).tolist() == [True, True, False, False]
+
+
+@interpreted
+def test_undemeaned_float32_runs_take_the_mean_apart_and_match_cpu_backend(kernels):
+    """dwidenoise's mode (no demeaning, centre aggregation) in float32 with the tridiagonal kernels: the
+    Gram kernel returns the volume-demeaned Gram and the mean, the eigensolver takes n mu mu^T as a
+    rank-one term, and the result is the CPU backend's (float64) within the usual tolerances."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((6, 5, 5), n_volumes=17, rank=3, sigma=5.0, baseline=1000.0, seed=13)
+    data, mask, finite, plan, options = prepared(noisy, extent=3, stride=1, estimator="exp2",
+                                                 aggregation="center", demean="none")
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    gpu = denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal", precision="float32")
+    assert gpu.info["gram_precision"] == "float32" and gpu.info["gram_path"] == "fused"
+    assert gpu.info["n_settled_in_float64"] < plan.n_windows
+    assert_same_denoising(cpu, gpu, mask)
+
+
 @interpreted
 @pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 2, "volume"), ("center", 1, "none")])
 def test_pipeline_with_the_tridiagonal_eigensolver_matches_cpu_backend(kernels, aggregation, stride, demean):

@@ -87,6 +87,10 @@ REFINE_MIN_ORDER = 64
 REFINE_GUARD = 8
 #: ``SETTLE_SLACK`` for refined eigenvalues (their error is far below a float32 rounding of the largest).
 REFINED_SETTLE_SLACK = 0.1
+#: Undemeaned float32 runs (the mean taken apart): a window whose kept and dropped eigenvalues are closer
+#: than float32 can separate, eps ||A|| / gap above this, is redone in float64 (its float32 projector errs
+#: by ~100-2000 times that ratio: measured on dwidenoise-mode patches of 125 x 48).
+PROJECTOR_GAP_LIMIT = 1e-5
 
 
 def gram_precision(options, precision: str = "auto") -> torch.dtype:
@@ -255,11 +259,23 @@ def refine_block(m: int) -> int:
     return min(REFINE_BLOCK, m // 2)
 
 
-def rounding_uncertainty(values, slack=None):
-    """(B, 1): ``slack`` (default ``SETTLE_SLACK``) float32 roundings of each window's largest eigenvalue, the
-    scale of a float32 eigensolver's error on every eigenvalue (~eps ||A||)."""
+def rounding_uncertainty(values, slack=None, scale=None):
+    """(B, 1): ``slack`` (default ``SETTLE_SLACK``) float32 roundings of each window's ``scale`` (default:
+    its largest eigenvalue), the size of a float32 eigensolver's error on every eigenvalue (~eps ||A||)."""
     slack = SETTLE_SLACK if slack is None else slack
-    return slack * torch.finfo(torch.float32).eps * values[:, -1:].clamp(min=0)
+    scale = values[:, -1:].clamp(min=0) if scale is None else scale.reshape(-1, 1)
+    return slack * torch.finfo(torch.float32).eps * scale
+
+
+def unresolved_projectors(values, rank, scale, limit=None):
+    """(B,) bool: windows whose projector float32 cannot resolve, eps ``scale`` over the gap between the
+    smallest kept and the largest dropped eigenvalue above ``limit`` (default ``PROJECTOR_GAP_LIMIT``)."""
+    limit = PROJECTOR_GAP_LIMIT if limit is None else limit
+    m = values.shape[1]
+    cut = (m - rank.to(torch.int64)).clamp(1, m - 1)[:, None]
+    gap = (values.gather(1, cut) - values.gather(1, cut - 1))[:, 0]
+    unresolved = torch.finfo(torch.float32).eps * scale.reshape(-1) > limit * gap
+    return unresolved & (rank > 0) & (rank < m)
 
 
 def unsettled_ranks(values, n_voxels, n_volumes, estimator, rank, delta):
@@ -526,17 +542,29 @@ class _SlabContext:
                            self.centre_position[chosen])
         n_voxels = run.voxel_offsets.numel()
         time_side = n_voxels >= n_volumes
+        # no demeaning in float32 with the tridiagonal kernels: the Gram of the undemeaned patch is
+        # n mu mu^T + (the volume-demeaned Gram), exactly; the kernels take the second and the rank-one term
+        # apart (``TridiagonalEigh.values(rank_one=...)``), so the patch's mean costs no precision
+        rank_one = fused and demean == "none" and dtype == torch.float32 and isinstance(run.solver, TridiagonalEigh)
         if fused:
-            gram, n_took_part, volume_mean = kernels.gram(volume, finite, base, run.voxel_offsets, demean=demean,
-                                                          dtype=dtype)
+            gram, n_took_part, volume_mean = kernels.gram(volume, finite, base, run.voxel_offsets,
+                                                          demean="volume" if rank_one else demean, dtype=dtype)
         else:
             gram, patches, means, took_part, voxels = _gather_gram(
                 volume, finite, base, run.voxel_offsets, demean, torch.float64 if refine else dtype, time_side)
             n_took_part = took_part.sum(dim=1).to(torch.int32)
+        scale = None
         if refine:
             values, info = run.solver.values(gram.to(dtype))
             values, refine_info = run.solver.refine(gram, refine)
             info = info | refine_info
+        elif rank_one:
+            scale = torch.linalg.matrix_norm(gram).to(torch.float64)  # before the solver overwrites it
+            mean = volume_mean.to(torch.float64)
+            norm2 = (mean * mean).sum(dim=1)
+            direction = mean / norm2.sqrt().clamp(min=torch.finfo(torch.float64).tiny)[:, None]
+            values, info = run.solver.values(gram, rank_one=(direction, n_took_part.to(torch.float64) * norm2))
+            values = values.to(torch.float64)
         else:
             values, info = run.solver.values(gram)
             values = values.to(torch.float64)
@@ -547,10 +575,12 @@ class _SlabContext:
         keep = info == 0
         unsettled = None
         if settle:
-            delta = rounding_uncertainty(values, REFINED_SETTLE_SLACK if refine else SETTLE_SLACK)
+            delta = rounding_uncertainty(values, REFINED_SETTLE_SLACK if refine else SETTLE_SLACK, scale)
             unsettled = unsettled_ranks(values, usable_voxels, usable_volumes, options.estimator, patch_rank, delta)
             if refine:
                 unsettled |= patch_rank >= refine - REFINE_GUARD
+            if rank_one:
+                unsettled |= unresolved_projectors(values, patch_rank, scale)
             keep &= ~unsettled
         keep = keep.to(torch.float64)
         if run.center:
@@ -566,11 +596,12 @@ class _SlabContext:
             projector = projector.to(torch.float32).contiguous()
             if run.center:
                 kernels.reconstruct_centres(volume, centres[0], centres[1], projector, patch_weight, patch_sigma,
-                                            patch_rank, *sums.tensors(), demean=demean, volume_mean=volume_mean)
+                                            patch_rank, *sums.tensors(), demean=demean,
+                                            volume_mean=None if rank_one else volume_mean)
             else:
                 kernels.reconstruct_accumulate(volume, finite, base, run.voxel_offsets, projector, patch_weight,
                                                patch_sigma, patch_rank, *sums.tensors(), demean=demean,
-                                               volume_mean=volume_mean)
+                                               volume_mean=None if rank_one else volume_mean)
         else:
             projector = projector.to(patches.dtype)
             restored = patches @ projector if time_side else projector @ patches

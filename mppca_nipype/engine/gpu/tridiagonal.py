@@ -59,8 +59,8 @@ def _warps(m: int, dtype) -> int:
 
 
 @triton.jit
-def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, m: tl.constexpr, BLOCK: tl.constexpr,
-                   FP64: tl.constexpr, BISECTIONS: tl.constexpr):
+def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, m: tl.constexpr,
+                   BLOCK: tl.constexpr, FP64: tl.constexpr, BISECTIONS: tl.constexpr, RANK_ONE: tl.constexpr):
     matrix = tl.program_id(0).to(tl.int64)
     dtype = tl.float64 if FP64 else tl.float32
     rows = tl.arange(0, BLOCK)
@@ -69,6 +69,20 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, m: tl.constexpr, BLOCK: tl.c
     inside = (r < m) & (c < m)
     a = tl.load(a_ptr + matrix * m * m + r * m + c, mask=inside, other=0.0).to(dtype)
     tiny = 1e-300 if FP64 else 1e-30
+    if RANK_ONE:
+        # 0. the eigenvalues of A + rho w w^T (w a unit vector): H_w = I - h h^T maps w to -+e_0, so
+        #    H_w (A + rho w w^T) H_w = H_w A H_w + rho e_0 e_0^T; the reflectors below act on rows >= 1 and
+        #    leave entry (0, 0) alone, so rho is added to d_0 at the end, never mixed into A's numbers.
+        w = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
+        first = tl.sum(tl.where(rows == 0, w, 0.0), axis=0)
+        v = tl.where(rows == 0, w - tl.where(first > 0, -1.0, 1.0), w)
+        vv = tl.sum(v * v, axis=0)
+        beta = tl.where(vv > tiny, 2.0 / tl.maximum(vv, tiny), 0.0)
+        p = tl.sum(a * v[None, :], axis=1) * beta
+        q = p - (0.5 * beta * tl.sum(v * p, axis=0)) * v
+        a = a - v[:, None] * q[None, :] - q[:, None] * v[None, :]
+        tl.store(direction_ptr + matrix * m + rows, (v * tl.sqrt(beta)).to(direction_ptr.dtype.element_ty),
+                 mask=rows < m)
 
     # 1. Householder: zero column k below the sub-diagonal, from both sides
     for k in range(0, m - 2):
@@ -86,6 +100,8 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, m: tl.constexpr, BLOCK: tl.c
         u = v * tl.sqrt(beta)  # H_k = I - u u^T
         tl.store(a_ptr + matrix * m * m + k * m + rows, u.to(a_ptr.dtype.element_ty), mask=rows < m)
     diagonal = tl.sum(tl.where(r == c, a, 0.0), axis=1)
+    if RANK_ONE:
+        diagonal += tl.where(rows == 0, tl.load(weight_ptr + matrix).to(dtype), 0.0)
     below = tl.sum(tl.where(r == c + 1, a, 0.0), axis=1)  # e_i = T[i, i-1], e_0 = 0
     above = tl.sum(tl.where(c == r + 1, a, 0.0), axis=1)  # T[i, i+1] = e_{i+1}
     tl.store(d_ptr + matrix * m + rows, diagonal, mask=rows < m)
@@ -101,6 +117,11 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, m: tl.constexpr, BLOCK: tl.c
     pivot_floor = tl.maximum(scale * (1e-300 if FP64 else 1e-36), tiny)
     lower = tl.zeros((BLOCK,), dtype=dtype) + low
     upper = tl.zeros((BLOCK,), dtype=dtype) + high
+    if RANK_ONE:
+        # all but the largest eigenvalue lie below the trailing block's Gershgorin bound (they interlace with
+        # its eigenvalues): their halvings start from A's scale, not from rho's
+        trailing = tl.max(tl.where((rows >= 1) & (rows < m), diagonal + radius, -float("inf")), axis=0)
+        upper = tl.where(rows < m - 1, tl.minimum(trailing, high), upper)
     for _ in range(BISECTIONS):
         middle = 0.5 * (lower + upper)
         below_middle = tl.zeros((BLOCK,), dtype=tl.int32)
@@ -164,8 +185,9 @@ def _orthonormal_columns(y, keep, rank, rows, tiny, m: tl.constexpr):
 
 
 @triton.jit
-def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, projector_ptr,
-                      m: tl.constexpr, BLOCK: tl.constexpr, FP64: tl.constexpr, SOLVES: tl.constexpr):
+def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, projector_ptr, direction_ptr,
+                      m: tl.constexpr, BLOCK: tl.constexpr, FP64: tl.constexpr, SOLVES: tl.constexpr,
+                      RANK_ONE: tl.constexpr):
     matrix = tl.program_id(0).to(tl.int64)
     dtype = tl.float64 if FP64 else tl.float32
     rows = tl.arange(0, BLOCK)
@@ -204,6 +226,9 @@ def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, proje
             k = m - 3 - step
             u = tl.load(a_ptr + matrix * m * m + k * m + rows, mask=rows < m, other=0.0).to(dtype)
             y = y - u[:, None] * tl.sum(u[:, None] * y, axis=0)[None, :]
+        if RANK_ONE:  # and through H_w, the first reflector
+            u = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
+            y = y - u[:, None] * tl.sum(u[:, None] * y, axis=0)[None, :]
         projector = tl.dot(y, tl.trans(y), input_precision="ieee", out_dtype=dtype)
         tl.store(out, projector.to(projector_ptr.dtype.element_ty), mask=(r < m) & (c < m))
 
@@ -232,7 +257,11 @@ class TridiagonalEigh:
     def release_workspaces(self):
         self._state = None
 
-    def values(self, matrices):
+    def values(self, matrices, rank_one=None):
+        """Eigenvalues of ``matrices`` (see the class), or with ``rank_one = (w, rho)`` ((B, m) unit vectors,
+        (B,) weights >= 0) of ``matrices + rho w w^T``: the rank-one term enters the tridiagonal form as one
+        number added to d_0, so a huge rho (an undemeaned patch's mean, ``pipeline``) costs the other
+        eigenvalues no precision: they come out to a rounding of ``matrices``' scale, not of rho's."""
         if matrices.ndim != 3 or matrices.shape[1] != matrices.shape[2] or not matrices.is_contiguous():
             raise ValueError("matrices must be a contiguous (B, m, m) tensor")
         if matrices.dtype not in (torch.float32, torch.float64):
@@ -244,22 +273,30 @@ class TridiagonalEigh:
         d = torch.empty((batch, m), dtype=matrices.dtype, device=matrices.device)
         e = torch.empty_like(d)
         values = torch.empty_like(d)
+        direction = weight = d  # placeholders: not read without a rank-one term
+        if rank_one is not None:
+            direction = rank_one[0].to(matrices.dtype).contiguous().clone()  # overwritten by H_w's vector
+            weight = rank_one[1].to(matrices.dtype).contiguous()
+            if direction.shape != (batch, m) or weight.shape != (batch,):
+                raise ValueError(f"rank_one must be ((B, m), (B,)) tensors for B={batch}, m={m}")
         if batch:
-            _values_kernel[(batch,)](matrices, d, e, values, m, BLOCK=_block(m), FP64=fp64,
-                                     BISECTIONS=_bisections(matrices.dtype),
+            _values_kernel[(batch,)](matrices, d, e, values, direction, weight, m, BLOCK=_block(m), FP64=fp64,
+                                     BISECTIONS=_bisections(matrices.dtype), RANK_ONE=rank_one is not None,
                                      num_warps=self.warps or _warps(m, matrices.dtype))
-        self._state = (matrices, d, e, values)
+        self._state = (matrices, d, e, values, direction if rank_one is not None else None)
         return values, torch.zeros(batch, dtype=torch.int32, device=matrices.device)
 
     def projector(self, rank):
         """(B, m, m) projectors onto the ``rank`` leading eigenvectors of the matrices ``values`` saw last."""
-        matrices, d, e, values = self._state
+        matrices, d, e, values, direction = self._state
         batch, m = values.shape
         out = torch.empty((batch, m, m), dtype=matrices.dtype, device=matrices.device)
         work = torch.empty((batch, 2 * m, _block(m)), dtype=matrices.dtype, device=matrices.device)
         rank = rank.to(torch.int32).contiguous()
         if batch:
-            _projector_kernel[(batch,)](matrices, d, e, values, rank, work, out, m, BLOCK=_block(m),
+            _projector_kernel[(batch,)](matrices, d, e, values, rank, work, out,
+                                        d if direction is None else direction, m, BLOCK=_block(m),
                                         FP64=matrices.dtype == torch.float64, SOLVES=INVERSE_ITERATIONS,
+                                        RANK_ONE=direction is not None,
                                         num_warps=self.warps or _warps(m, matrices.dtype))
         return out
