@@ -73,15 +73,16 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, m
         # 0. the eigenvalues of A + rho w w^T (w a unit vector): H_w = I - h h^T maps w to -+e_0, so
         #    H_w (A + rho w w^T) H_w = H_w A H_w + rho e_0 e_0^T; the reflectors below act on rows >= 1 and
         #    leave entry (0, 0) alone, so rho is added to d_0 at the end, never mixed into A's numbers.
-        w = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
-        first = tl.sum(tl.where(rows == 0, w, 0.0), axis=0)
-        v = tl.where(rows == 0, w - tl.where(first > 0, -1.0, 1.0), w)
-        vv = tl.sum(v * v, axis=0)
-        beta = tl.where(vv > tiny, 2.0 / tl.maximum(vv, tiny), 0.0)
-        p = tl.sum(a * v[None, :], axis=1) * beta
-        q = p - (0.5 * beta * tl.sum(v * p, axis=0)) * v
-        a = a - v[:, None] * q[None, :] - q[:, None] * v[None, :]
-        tl.store(direction_ptr + matrix * m + rows, (v * tl.sqrt(beta)).to(direction_ptr.dtype.element_ty),
+        # (names of their own: the loop below must not see these as its loop-carried values)
+        direction = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
+        leading = tl.sum(tl.where(rows == 0, direction, 0.0), axis=0)
+        h = tl.where(rows == 0, direction - tl.where(leading > 0, -1.0, 1.0), direction)
+        hh = tl.sum(h * h, axis=0)
+        h_beta = tl.where(hh > tiny, 2.0 / tl.maximum(hh, tiny), 0.0)
+        h_p = tl.sum(a * h[None, :], axis=1) * h_beta
+        h_q = h_p - (0.5 * h_beta * tl.sum(h * h_p, axis=0)) * h
+        a = a - h[:, None] * h_q[None, :] - h_q[:, None] * h[None, :]
+        tl.store(direction_ptr + matrix * m + rows, (h * tl.sqrt(h_beta)).to(direction_ptr.dtype.element_ty),
                  mask=rows < m)
 
     # 1. Householder: zero column k below the sub-diagonal, from both sides
