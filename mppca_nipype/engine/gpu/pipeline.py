@@ -553,21 +553,8 @@ class _SlabContext:
             gram, patches, means, took_part, voxels = _gather_gram(
                 volume, finite, base, run.voxel_offsets, demean, torch.float64 if refine else dtype, time_side)
             n_took_part = took_part.sum(dim=1).to(torch.int32)
-        scale = None
-        if refine:
-            values, info = run.solver.values(gram.to(dtype))
-            values, refine_info = run.solver.refine(gram, refine)
-            info = info | refine_info
-        elif rank_one:
-            scale = torch.linalg.matrix_norm(gram).to(torch.float64)  # before the solver overwrites it
-            mean = volume_mean.to(torch.float64)
-            norm2 = (mean * mean).sum(dim=1)
-            direction = mean / norm2.sqrt().clamp(min=torch.finfo(torch.float64).tiny)[:, None]
-            values, info = run.solver.values(gram, rank_one=(direction, n_took_part.to(torch.float64) * norm2))
-            values = values.to(torch.float64)
-        else:
-            values, info = run.solver.values(gram)
-            values = values.to(torch.float64)
+            volume_mean = None  # the gathered path keeps its means in ``means``
+        values, info, scale = _eigenvalues_of(run.solver, gram, dtype, refine, rank_one, n_took_part, volume_mean)
         # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
         usable_voxels, usable_volumes = n_took_part - int(demean == "volume"), n_volumes - int(demean == "voxel")
         patch_rank, sigma2 = marchenko_pastur_threshold(values, usable_voxels, usable_volumes, options.estimator)
@@ -623,6 +610,27 @@ class _SlabContext:
                 for target, addend in zip(sums.tensors(), addends):
                     target.index_add_(0, flat, addend)
         return info, unsettled
+
+
+def _eigenvalues_of(solver, gram, dtype, refine, rank_one, n_took_part, volume_mean):
+    """The eigen step's first half for ``_SlabContext.batch``: eigenvalues (B, m) float64 ascending, ``info``
+    and the scale of their float32 error (None: the largest eigenvalue). ``refine`` (a block size): the
+    float64 ``gram`` solved rounded to ``dtype``, both ends refined in float64. ``rank_one``: ``gram`` is
+    the volume-demeaned Gram and n mu mu^T (``volume_mean`` mu, ``n_took_part`` n) is added as a rank-one
+    term; the error scale is then the demeaned Gram's norm."""
+    if refine:
+        values, info = solver.values(gram.to(dtype))
+        values, refine_info = solver.refine(gram, refine)
+        return values, info | refine_info, None
+    if rank_one:
+        scale = torch.linalg.matrix_norm(gram).to(torch.float64)  # before the solver overwrites it
+        mean = volume_mean.to(torch.float64)
+        norm2 = (mean * mean).sum(dim=1)
+        direction = mean / norm2.sqrt().clamp(min=torch.finfo(torch.float64).tiny)[:, None]
+        values, info = solver.values(gram, rank_one=(direction, n_took_part.to(torch.float64) * norm2))
+        return values.to(torch.float64), info, scale
+    values, info = solver.values(gram)
+    return values.to(torch.float64), info, None
 
 
 class _TorchEigh(ProjectorFromVectors):
