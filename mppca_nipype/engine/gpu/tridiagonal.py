@@ -59,6 +59,17 @@ def _warps(m: int, dtype) -> int:
 
 
 @triton.jit
+def _reflect(a, v, tiny):
+    """H a H with H = I - beta v v^T (beta = 2 / v^T v; H = I for v = 0), as a rank-two update; returns
+    the new matrix and u = v sqrt(beta), the stored form of H = I - u u^T."""
+    vv = tl.sum(v * v, axis=0)
+    beta = tl.where(vv > tiny, 2.0 / tl.maximum(vv, tiny), 0.0)
+    p = tl.sum(a * v[None, :], axis=1) * beta
+    w = p - (0.5 * beta * tl.sum(v * p, axis=0)) * v
+    return a - v[:, None] * w[None, :] - w[:, None] * v[None, :], v * tl.sqrt(beta)
+
+
+@triton.jit
 def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, m: tl.constexpr,
                    BLOCK: tl.constexpr, FP64: tl.constexpr, BISECTIONS: tl.constexpr, RANK_ONE: tl.constexpr):
     matrix = tl.program_id(0).to(tl.int64)
@@ -76,14 +87,8 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, m
         # (names of their own: the loop below must not see these as its loop-carried values)
         direction = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
         leading = tl.sum(tl.where(rows == 0, direction, 0.0), axis=0)
-        h = tl.where(rows == 0, direction - tl.where(leading > 0, -1.0, 1.0), direction)
-        hh = tl.sum(h * h, axis=0)
-        h_beta = tl.where(hh > tiny, 2.0 / tl.maximum(hh, tiny), 0.0)
-        h_p = tl.sum(a * h[None, :], axis=1) * h_beta
-        h_q = h_p - (0.5 * h_beta * tl.sum(h * h_p, axis=0)) * h
-        a = a - h[:, None] * h_q[None, :] - h_q[:, None] * h[None, :]
-        tl.store(direction_ptr + matrix * m + rows, (h * tl.sqrt(h_beta)).to(direction_ptr.dtype.element_ty),
-                 mask=rows < m)
+        a, h = _reflect(a, tl.where(rows == 0, direction - tl.where(leading > 0, -1.0, 1.0), direction), tiny)
+        tl.store(direction_ptr + matrix * m + rows, h.to(direction_ptr.dtype.element_ty), mask=rows < m)
 
     # 1. Householder: zero column k below the sub-diagonal, from both sides
     for k in range(0, m - 2):
@@ -92,13 +97,7 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, m
         norm = tl.sqrt(tl.sum(x * x, axis=0))
         first = tl.sum(tl.where(rows == k + 1, x, 0.0), axis=0)
         alpha = tl.where(first > 0, -norm, norm)
-        v = tl.where(rows == k + 1, x - alpha, x)
-        vv = tl.sum(v * v, axis=0)
-        beta = tl.where(vv > tiny, 2.0 / tl.maximum(vv, tiny), 0.0)
-        p = tl.sum(a * v[None, :], axis=1) * beta
-        w = p - (0.5 * beta * tl.sum(v * p, axis=0)) * v
-        a = a - v[:, None] * w[None, :] - w[:, None] * v[None, :]
-        u = v * tl.sqrt(beta)  # H_k = I - u u^T
+        a, u = _reflect(a, tl.where(rows == k + 1, x - alpha, x), tiny)  # H_k = I - u u^T
         tl.store(a_ptr + matrix * m * m + k * m + rows, u.to(a_ptr.dtype.element_ty), mask=rows < m)
     diagonal = tl.sum(tl.where(r == c, a, 0.0), axis=1)
     if RANK_ONE:
