@@ -201,7 +201,10 @@ def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, proje
                  mask=(r < m) & (c < m))
     else:
         values = tl.load(values_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
-        scale = tl.max(tl.abs(values), axis=0)
+        magnitude = tl.abs(values)
+        if RANK_ONE:  # the largest carries rho; the others are known to a rounding of A's scale, not rho's
+            magnitude = tl.where(rows < m - 1, magnitude, 0.0)
+        scale = tl.max(magnitude, axis=0)
         eps = 2.2e-16 if FP64 else 1.2e-7
         tiny = 1e-300 if FP64 else 1e-30
         pivot_floor = tl.maximum(eps * scale, tiny)
