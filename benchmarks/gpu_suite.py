@@ -7,8 +7,9 @@
     demeaning: NumPy one patch at a time on 1 BLAS thread (estimated from a subset), batched Gram +
     torch.linalg.eigh, batched Gram + XsyevBatched, the fused kernels + XsyevBatched at batch 2048 (the
     article's final step), ours (batch from free memory); plus ``denoise()`` itself, host to host.
-(b) dwidenoise mode (5^3, stride 1, centre, no demeaning, exp2) on 96x96x48x48; float64 (ours) and float32
-    (the mean taken apart as a rank-one term with the tridiagonal kernels; and plainly with XsyevBatched).
+(b) dwidenoise mode (5^3, stride 1, centre, no demeaning, exp2) on 96x96x48x48; what ``auto`` picks, float64
+    and float32 (the mean taken apart as a rank-one term with the tridiagonal kernels, at several limits on
+    the projector's gap; and plainly with XsyevBatched).
 (c) defaults on a DWI-like (T = 300) and an fMRI-like (T = 1000) phantom, GPU and our CPU path on this
     machine's cores; ``--full`` runs the issue's full sizes (96x96x60x300, 64x64x40x1000), else crops of them.
 (d) peak GPU memory of each.
@@ -22,7 +23,10 @@
 (p) the seed's problem under torch's profiler: device time per stage and kernel.
 (r) long series (T = 300, 1000; windows of (c)'s phantoms): the float32 eigensolve's eigenvalue errors, the
     float64 Rayleigh quotients of its eigenvectors, the ranks and the windows each settling criterion flags.
-(w) the tridiagonal kernels' time per warps per program (values, Householder alone, projector).
+(w) the tridiagonal kernels' time per warps per program (values, Householder alone, projector), float32 at
+    m = 48, 64 and float64 at m = 48 (the settling pass's size, 1,500 matrices, and 12,600).
+(q) the seed's windows: the tridiagonal kernels' float32 eigenvalue errors and what each settling slack
+    flags (and misses).
 (g) the fused kernels' tile products in float32 ("ieee") or as three TF32 products ("tf32x3"): each kernel
     alone, the Gram's error, and the seed's problem end to end with each.
 (h) the host side of ``denoise_gpu`` on the seed's problem: page-locking, uploads, pinned outputs, downloads.
@@ -388,17 +392,28 @@ def dwidenoise_mode(rows):
     reference, reference_rank = finish(cpu_sums, data.shape)
     rows.append(dict(problem="dwidenoise 96x96x48x48", variant=f"our CPU path, {os.cpu_count()} processes",
                      ms=cpu_seconds * 1e3, **errors(reference, reference, truth), peak_gib=0.0))
-    for name, kwargs in (("ours (float64 Gram + XsyevBatched)", dict()),
-                         ("float64 Gram + tridiagonal eigensolver", dict(eigensolver="tridiagonal")),
-                         ("float32: demeaned Gram + the mean as a rank-one term, tridiagonal",
-                          dict(precision="float32", eigensolver="tridiagonal")),
-                         ("float32 Gram + XsyevBatched", dict(precision="float32", eigensolver="xsyev"))):
-        seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs))
+    from mppca_nipype.engine.gpu import pipeline
+
+    rank_one = dict(precision="float32", eigensolver="tridiagonal")
+    variants = [("ours (auto)", dict(), None),
+                ("float64 Gram + XsyevBatched", dict(precision="float64", eigensolver="xsyev"), None),
+                ("float64 Gram + tridiagonal eigensolver", dict(precision="float64", eigensolver="tridiagonal"), None)]
+    variants += [(f"float32: demeaned Gram + the mean as a rank-one term, tridiagonal, gap limit {limit:g}",
+                  rank_one, limit) for limit in (1e-5, 1e-4, 1e-3, 1e-2, float("inf"))]
+    variants += [("float32 Gram + XsyevBatched", dict(precision="float32", eigensolver="xsyev"), None)]
+    default_limit = pipeline.PROJECTOR_GAP_LIMIT
+    for name, kwargs, limit in variants:
+        pipeline.PROJECTOR_GAP_LIMIT = default_limit if limit is None else limit
+        try:
+            seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs))
+        finally:
+            pipeline.PROJECTOR_GAP_LIMIT = default_limit
         denoised, rank = finish(sums, data.shape)
         rows.append(dict(problem="dwidenoise 96x96x48x48", variant=name, ms=seconds * 1e3,
                          **errors(denoised, reference, truth), peak_gib=peak / 2**30, batch=sums.info["batch"],
                          n_settled_in_float64=sums.info["n_settled_in_float64"],
-                         rank_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3))))
+                         rank_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3)),
+                         gram_precision=sums.info["gram_precision"], eigensolver=sums.info["eigensolver"]))
         print(rows[-1], flush=True)
     seconds, result, peak = best_of(lambda: denoise(noisy, device="cuda", **DWIDENOISE_OPTIONS), repeats=3)
     rows.append(dict(problem="dwidenoise 96x96x48x48", variant="ours: denoise(device='cuda'), whole call",
@@ -475,10 +490,9 @@ def long_series_refinement(full):
     On windows spread over each phantom: eigenvalue errors against float64 XsyevBatched (in float32 roundings
     of the largest eigenvalue), rank agreement, the share of windows each criterion leaves unsettled and
     the share whose rank differs yet is not flagged (must be 0), and the time of each step per window."""
-    from mppca_nipype.engine.gpu.pipeline import (REFINE_GUARD, _gather_gram, refine_block, rounding_uncertainty,
-                                                  unsettled_ranks)
+    from mppca_nipype.engine.gpu.pipeline import REFINE_GUARD, _gather_gram, refine_block
 
-    solver, eps, results = BatchedEigh("cuda"), torch.finfo(torch.float32).eps, []
+    solver, results = BatchedEigh("cuda"), []
     for problem, noisy, _ in long_series(full):
         data, finite, plan, options = prepare(noisy, VOLUME_OPTIONS)
         n_volumes = data.shape[3]
@@ -521,12 +535,8 @@ def long_series_refinement(full):
 
         refined, refine_info = timed("refinement in float64 (Rayleigh-Ritz at both ends)", refine)
         rank64, rank32, rank_rounded, rank_refined = (rank_of(v) for v in (values64, values32, rounded, refined))
-        unit = eps * values64[:, -1:]
         m = values64.shape[1]
-
-        def spread(values, columns=slice(None)):
-            error = ((values - values64).abs() / unit)[:, columns].amax(dim=1).cpu().numpy()
-            return dict(median=float(np.median(error)), p99=float(np.percentile(error, 99)), max=float(error.max()))
+        spread = lambda values, columns=slice(None): error_in_roundings(values, values64, columns)  # noqa: E731
 
         row = dict(problem=problem, windows=count, ms_per_window=ms,
                    error_in_float32_roundings=dict(
@@ -539,16 +549,10 @@ def long_series_refinement(full):
                                               refined=float((rank_refined == rank64).double().mean())),
                    refine_failed=int((refine_info != 0).sum()),
                    rank_max=int(rank64.max()))
-        old = unsettled_ranks(values32, usable, n_volumes, "exp2", rank32, rounding_uncertainty(values32))
-        row["unsettled_float32_slack10"] = dict(
-            share=float(old.double().mean()), differ_unflagged=float(((rank32 != rank64) & ~old).double().mean()))
+        row["unsettled_float32_slack10"] = flagged_by_slack(values32, rank32, rank64, usable, n_volumes, 10.0)
         for slack in (0.01, 0.03, 0.1, 0.3, 1.0):
-            flagged = unsettled_ranks(refined, usable, n_volumes, "exp2", rank_refined,
-                                      rounding_uncertainty(refined, slack))
-            flagged |= rank_refined >= block - REFINE_GUARD
-            row[f"unsettled_refined_slack{slack:g}"] = dict(
-                share=float(flagged.double().mean()),
-                differ_unflagged=float(((rank_refined != rank64) & ~flagged).double().mean()))
+            row[f"unsettled_refined_slack{slack:g}"] = flagged_by_slack(
+                refined, rank_refined, rank64, usable, n_volumes, slack, also=rank_refined >= block - REFINE_GUARD)
         results.append(row)
         print(json.dumps(row, indent=1), flush=True)
         gram32 = gram64 = vectors = took_part = volume = None  # free the device before the next phantom
@@ -557,25 +561,86 @@ def long_series_refinement(full):
     return results
 
 
+def error_in_roundings(values, values64, columns=slice(None)):
+    """Per window, the largest error of ``values`` against ``values64`` over ``columns``, in float32 roundings
+    of the largest eigenvalue: median, 99th percentile and maximum over the windows."""
+    unit = torch.finfo(torch.float32).eps * values64[:, -1:]
+    error = ((values.double() - values64).abs() / unit)[:, columns].amax(dim=1).cpu().numpy()
+    return dict(median=float(np.median(error)), p99=float(np.percentile(error, 99)), max=float(error.max()))
+
+
+def flagged_by_slack(values, rank, rank64, usable, n_volumes, slack, also=None):
+    """The settling test (``unsettled_ranks`` with ``slack`` roundings, or'ed with ``also``) on ``values``:
+    the share of windows it flags, and the share whose rank differs from float64's yet is not flagged (the
+    windows a run would get wrong: must be 0)."""
+    from mppca_nipype.engine.gpu.pipeline import rounding_uncertainty, unsettled_ranks
+
+    flagged = unsettled_ranks(values, usable, n_volumes, "exp2", rank, rounding_uncertainty(values, slack))
+    if also is not None:
+        flagged = flagged | also
+    return dict(share=float(flagged.double().mean()),
+                differ_unflagged=float(((rank != rank64) & ~flagged).double().mean()))
+
+
+def seed_settling():
+    """(q) issue 5: on every window of the seed's problem (voxel demeaning, as the article) and of the same
+    phantom with the package's defaults (volume demeaning, 7^3), how far the tridiagonal kernels' float32
+    eigenvalues are from float64 (XsyevBatched on the fused float64 Gram), their ranks, and for each slack
+    of the settling test the share of windows flagged and the share whose rank differs but is not flagged."""
+    from mppca_nipype.engine.gpu import kernels
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+
+    noisy, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    results = []
+    for problem, chosen in (("seed, voxel demeaning, 11^3", SEED_OPTIONS), ("seed phantom, defaults", VOLUME_OPTIONS)):
+        data, finite, plan, options = prepare(noisy, chosen)
+        n_volumes = data.shape[3]
+        geometry = (torch.from_numpy(data.reshape(-1, n_volumes)).cuda(),
+                    torch.from_numpy(finite.ravel().astype(np.float32)).cuda(),
+                    torch.from_numpy(plan.window_base()).cuda(),
+                    torch.from_numpy(plan.voxel_offsets.astype(np.int32)).cuda())
+        gram32, took_part, _ = kernels.gram(*geometry, demean=options.demean)
+        gram64, _, _ = kernels.gram(*geometry, demean=options.demean, dtype=torch.float64)
+        values32 = TridiagonalEigh("cuda").values(gram32)[0].double()
+        values64 = BatchedEigh("cuda").values(gram64)[0]
+        usable = took_part.to(torch.int64) - int(options.demean == "volume")
+        usable_volumes = n_volumes - int(options.demean == "voxel")
+        rank32, rank64 = (marchenko_pastur_threshold(v, usable, usable_volumes, options.estimator)[0]
+                          for v in (values32, values64))
+        row = dict(problem=problem, windows=len(values64), error_in_float32_roundings=dict(
+                       all=error_in_roundings(values32, values64),
+                       smallest=error_in_roundings(values32, values64, slice(0, 1))),
+                   rank_equal_to_float64=float((rank32 == rank64).double().mean()))
+        for slack in (10.0, 5.0, 3.0, 2.0, 1.0, 0.5):
+            row[f"slack{slack:g}"] = flagged_by_slack(values32, rank32, rank64, usable, usable_volumes, slack)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    return results
+
+
 def tridiagonal_warps(count=12_600):
     """(w) issue 5: the tridiagonal kernels' time per warps per program on ``count`` seed-like Gram
-    matrices (m = 48, 64): values (Householder + bisection), Householder alone (no bisection step),
+    matrices (float32, m = 48, 64; float64, m = 48, also 1,500 of them as in a settling pass): values
+    (Householder + bisection), Householder alone (no bisection step),
     projector; each checked against float64 XsyevBatched (largest eigenvalue error over the largest
     eigenvalue, largest projector deviation)."""
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh, _block, _values_kernel
 
     xsyev, rows = BatchedEigh("cuda"), []
-    for m in (48, 64):
-        matrices, n, _ = gram_batch("patches", count, m)
+    for m, dtype, batch, warp_counts in ((48, torch.float32, count, (1, 2, 4, 8)),
+                                         (64, torch.float32, count, (1, 2, 4, 8)),
+                                         (48, torch.float64, 1500, (1, 2, 4, 8)),
+                                         (48, torch.float64, count, (2, 4, 8))):
+        matrices, n, _ = gram_batch("patches", batch, m)
         values64, info = xsyev.values(matrices.clone())
-        voxels = torch.full((count,), n, dtype=torch.int64, device="cuda")
+        voxels = torch.full((batch,), n, dtype=torch.int64, device="cuda")
         rank = marchenko_pastur_threshold(values64, voxels, m, "exp2")[0]
         projector64 = xsyev.projector(rank)
-        work = matrices.to(torch.float32).contiguous()
-        for warps in (1, 2, 4, 8):
+        work = matrices.to(dtype).contiguous()
+        for warps in warp_counts:
             solver = TridiagonalEigh("cuda", warps=warps)
             copies = [work.clone() for _ in range(6)]
-            d, e, v = (torch.empty((count, m), device="cuda") for _ in range(3))
+            d, e, v = (torch.empty((batch, m), device="cuda", dtype=dtype) for _ in range(3))
 
             def best(run):
                 times = []
@@ -587,13 +652,15 @@ def tridiagonal_warps(count=12_600):
                     times.append(time.perf_counter() - started)
                 return min(times[1:]) * 1e3, result
 
-            householder_ms, _ = best(lambda a: _values_kernel[(count,)](a, d, e, v, d, d, m, BLOCK=_block(m),
-                                                                       FP64=False, BISECTIONS=0, RANK_ONE=False,
+            householder_ms, _ = best(lambda a: _values_kernel[(batch,)](a, d, e, v, d, d, m, BLOCK=_block(m),
+                                                                       FP64=dtype == torch.float64, BISECTIONS=0,
+                                                                       RANK_ONE=False,
                                                                        num_warps=warps))
             copies = [work.clone() for _ in range(6)]
             values_ms, values = best(lambda a: solver.values(a)[0])
             projector_ms, projector = best(lambda _: solver.projector(rank))
-            row = dict(m=m, warps=warps, values_ms=values_ms, householder_alone_ms=householder_ms,
+            row = dict(m=m, dtype=str(dtype).replace("torch.", ""), batch=batch, warps=warps, values_ms=values_ms,
+                       householder_alone_ms=householder_ms,
                        projector_ms=projector_ms,
                        values_err=float(((values.double() - values64).abs().amax(1) / values64[:, -1]).max()),
                        projector_err=float((projector.double() - projector64).abs().amax()))
@@ -904,7 +971,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
     parser.add_argument("--only", default="abcdev",
-                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w, g, h")
+                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w, q, g, h")
     parser.add_argument("--no-cpu", action="store_true",
                         help="(c) without our CPU path (the GPU's float64 run is the reference)")
     args = parser.parse_args()
@@ -940,6 +1007,7 @@ def main():
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))
     part("w", tridiagonal_warps, "tridiagonal_warps")
+    part("q", seed_settling, "seed_settling")
     part("g", lambda: dot_precisions(rows), "dot_precisions")
     part("h", host_pieces, "host_pieces")
     part("r", lambda: long_series_refinement(args.full), "long_series_refinement")

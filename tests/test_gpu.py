@@ -106,11 +106,19 @@ def test_volume_demeaning_in_float32_on_a_large_baseline_matches_cpu(aggregation
     assert gpu.info["gram_precision"] == "float32" and gpu.info["gram_path"] == "fused"
 
 
-def test_dwidenoise_mode_on_a_large_baseline_matches_cpu():
-    """No demeaning on a baseline near 1000: float32 eigenvalues would lose the noise bulk."""
+def test_dwidenoise_mode_on_a_large_baseline_matches_cpu(monkeypatch):
+    """No demeaning on a baseline near 1000: float32 eigenvalues of X^T X would lose the noise bulk, so the
+    default run takes the patch's mean apart (float32, tridiagonal kernels); the plain float64 run too."""
     noisy, _ = low_rank_phantom((24, 24, 16), n_volumes=48, rank=5, sigma=4.0, seed=11)
-    gpu, _ = compare(noisy, extent=5, stride=1, estimator="exp2", aggregation="center", demean="none")
-    assert gpu.info["gram_precision"] == "float64"
+    options = dict(extent=5, stride=1, estimator="exp2", aggregation="center", demean="none")
+    gpu, _ = compare(noisy, **options)
+    assert gpu.info["gram_precision"] == "float32" and gpu.info["mean_taken_apart"]
+    assert gpu.info["eigensolver"].startswith("triton tridiagonal")
+    from mppca_nipype.engine.gpu import pipeline
+
+    monkeypatch.setattr(pipeline, "takes_mean_apart", lambda *args: False)
+    gpu, _ = compare(noisy, **options)
+    assert gpu.info["gram_precision"] == "float64" and not gpu.info["mean_taken_apart"]
 
 
 @pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])

@@ -679,6 +679,47 @@ def test_projectors_whose_cut_float32_cannot_resolve_are_flagged():
     assert unresolved_projectors(values, rank, scale, limit=1e-4).tolist() == [True, True, False, False]
 
 
+def test_undemeaned_runs_take_the_mean_apart_where_fused_and_tridiagonal_kernels_serve_them():
+    """float32 for dwidenoise's mode only where the fused Gram kernel and the tridiagonal kernels serve the
+    patch (``auto`` picks them on CUDA for m <= 64); float64 otherwise; demeaned runs are float32 anyway."""
+    from mppca_nipype.engine import resolve_options
+    from mppca_nipype.engine.gpu.pipeline import gram_precision, takes_mean_apart
+
+    none, volume = (resolve_options((20, 20, 20, 48), extent=5, stride=1, estimator="exp2", aggregation="center",
+                                    demean=demean) for demean in ("none", "volume"))
+    assert takes_mean_apart(none, "cuda", "auto", "auto", 125, 48)
+    assert takes_mean_apart(none, "cpu", "auto", "tridiagonal", 125, 48)
+    assert not takes_mean_apart(none, "cpu", "auto", "auto", 125, 48)  # "auto" there is XsyevBatched's stand-in
+    assert not takes_mean_apart(none, "cuda", "auto", "xsyev", 125, 48)
+    assert not takes_mean_apart(none, "cuda", "gather", "auto", 125, 48)
+    assert not takes_mean_apart(none, "cuda", "auto", "auto", 125, 96)  # auto's tridiagonal range is m <= 64
+    assert not takes_mean_apart(none, "cuda", "auto", "auto", 40, 48)  # voxel side: not fused
+    assert not takes_mean_apart(volume, "cuda", "auto", "auto", 125, 48)
+    assert gram_precision(none, "auto", True) == torch.float32 and gram_precision(none) == torch.float64
+    assert gram_precision(volume) == torch.float32 and gram_precision(none, "float64", True) == torch.float64
+
+
+@interpreted
+def test_the_tridiagonal_kernels_settle_with_their_own_slack(kernels, monkeypatch):
+    """A run with the tridiagonal kernels flags by ``TRIDIAGONAL_SETTLE_SLACK`` roundings, not
+    ``SETTLE_SLACK``: at a huge slack every window is redone in float64, and gives the float64 run."""
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=5)
+    data, _, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2",
+                                              aggregation="weighted", demean="volume")
+    monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 1e12)
+    settled = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal")
+    in_float64 = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", precision="float64",
+                                      eigensolver="tridiagonal")
+    assert settled.info["n_settled_in_float64"] == plan.n_windows
+    np.testing.assert_allclose(settled.image, in_float64.image, rtol=1e-6, atol=1e-5)
+    monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 0.0)
+    monkeypatch.setattr(pipeline, "SETTLE_SLACK", 1e12)
+    assert pipeline.denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal"
+                                ).info["n_settled_in_float64"] < plan.n_windows
+
+
 @interpreted
 def test_undemeaned_float32_runs_take_the_mean_apart_and_match_cpu_backend(kernels):
     """dwidenoise's mode (no demeaning, centre aggregation) in float32 with the tridiagonal kernels: the
@@ -690,8 +731,9 @@ def test_undemeaned_float32_runs_take_the_mean_apart_and_match_cpu_backend(kerne
     data, mask, finite, plan, options = prepared(noisy, extent=3, stride=1, estimator="exp2",
                                                  aggregation="center", demean="none")
     cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
-    gpu = denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal", precision="float32")
+    gpu = denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal")
     assert gpu.info["gram_precision"] == "float32" and gpu.info["gram_path"] == "fused"
+    assert gpu.info["mean_taken_apart"]
     assert gpu.info["n_settled_in_float64"] < plan.n_windows
     assert_same_denoising(cpu, gpu, mask)
 

@@ -22,14 +22,18 @@ Gram kernel returns the means, (B, T), and the reconstruction adds them back: (x
 
 Precision: with voxel or volume demeaning everything runs in float32 (the Gram of a centred patch is well
 conditioned; the centring happens before the products, never as X^T X - n mu mu^T). Without it
-(dwidenoise's mode) a baseline near 1000 makes the Gram's top eigenvalue ~1e6 times its noise eigenvalues;
-float32 eigenvalues then lose the noise bulk (MRtrix3's own float32 mode differs from its float64 mode by
-2.6e-4), so the Gram and the eigensolver run in float64 there.
+(dwidenoise's mode) a baseline near 1000 makes the Gram's top eigenvalue ~1e6 times its noise eigenvalues,
+and float32 eigenvalues of X^T X lose the noise bulk (MRtrix3's own float32 mode differs from its float64
+mode by 2.6e-4). There the fused Gram kernel returns the volume-demeaned Gram and the mean mu instead, and the
+tridiagonal kernels take X^T X = X_c^T X_c + n mu mu^T with the rank-one term apart (``takes_mean_apart``,
+``TridiagonalEigh.values(rank_one=...)``): the noise eigenvalues keep float32's precision of X_c^T X_c.
+Undemeaned runs that the fused and tridiagonal kernels cannot serve run in float64.
 
 Settling: the rank test is a comparison, and a window whose margin is below float32's error on its Gram
 (~eps lambda_max) can land on either side of it; one such flip in a small phantom is 1e-4 of rms difference
 from the float64 CPU path. A float32 run therefore flags, on the device, the windows whose rank would change
-if the eigenvalues moved by ``SETTLE_SLACK`` float32 roundings of the largest (``unsettled_ranks``), gives
+if the eigenvalues moved by ``SETTLE_SLACK`` float32 roundings of the largest (``TRIDIAGONAL_SETTLE_SLACK``
+for the tridiagonal kernels, whose error is smaller; ``unsettled_ranks``), gives
 them weight 0, and after the first pass (one synchronisation) redoes them, with any failed eigensolves, in
 float64 on the device.
 
@@ -77,6 +81,12 @@ MIN_BATCH = 64
 #: How far (in float32 roundings of the largest eigenvalue) the eigenvalues may move before a window's rank
 #: counts as unsettled in float32 and is redone in float64 (see ``unsettled_ranks``).
 SETTLE_SLACK = 10.0
+#: ``SETTLE_SLACK`` for the tridiagonal kernels' eigenvalues (part q of the suite, every window of the seed's
+#: problem with voxel and with volume demeaning: errors a median 1.2 and at most 7.7 float32 roundings of the
+#: largest on any eigenvalue, 0.6 on the smallest, against XsyevBatched's 4.3 and 12; at a slack of 0.5 no
+#: window whose rank differs from float64's went unflagged; at 3, 3.4% / 0.6% of the windows are flagged,
+#: at 10, 11.5% / 2.0%).
+TRIDIAGONAL_SETTLE_SLACK = 3.0
 #: Eigenvectors at each end of the spectrum whose Rayleigh-Ritz values in float64 replace a float32
 #: eigensolve's eigenvalues (``ProjectorFromVectors.refine``): ``refine_block`` of them, at most this many.
 REFINE_BLOCK = 64
@@ -88,16 +98,31 @@ REFINE_GUARD = 8
 #: ``SETTLE_SLACK`` for refined eigenvalues (their error is far below a float32 rounding of the largest).
 REFINED_SETTLE_SLACK = 0.1
 #: Undemeaned float32 runs (the mean taken apart): a window whose kept and dropped eigenvalues are closer
-#: than float32 can separate, eps ||A|| / gap above this, is redone in float64 (its float32 projector errs
-#: by ~100-2000 times that ratio: measured on dwidenoise-mode patches of 125 x 48).
-PROJECTOR_GAP_LIMIT = 1e-5
+#: than float32 can separate, eps ||A|| / gap above this, is redone in float64 (the tridiagonal kernels'
+#: projector errs by up to ~0.6 times that ratio, measured on undemeaned patches; a mixing of kept and
+#: dropped noise-level vectors by 1e-2 moves a voxel by ~1e-2 of the noise). Part b of the suite, dwidenoise's
+#: mode on 96x96x48x48: 4.8e-7 from float64 at 1e-2 and with no limit (3,263 windows settled for their rank
+#: either way), 1.7e-7 at 1e-5 but with 88% of the windows redone.
+PROJECTOR_GAP_LIMIT = 1e-2
 
 
-def gram_precision(options, precision: str = "auto") -> torch.dtype:
-    """float32 with voxel or volume demeaning, float64 without (see the module's note); or as asked."""
+def gram_precision(options, precision: str = "auto", mean_apart: bool = False) -> torch.dtype:
+    """float32 with voxel or volume demeaning, or without it where the patch's mean can be taken apart
+    (``mean_apart``: ``takes_mean_apart``); else float64 (see the module's note); or as asked."""
     if precision == "auto":
-        return torch.float32 if options.demean in ("voxel", "volume") else torch.float64
+        return torch.float32 if options.demean in ("voxel", "volume") or mean_apart else torch.float64
     return {"float32": torch.float32, "float64": torch.float64}[precision]
+
+
+def takes_mean_apart(options, device, path, eigensolver, n_voxels, n_volumes) -> bool:
+    """Whether an undemeaned run's first pass can be float32 with the patch's mean taken apart: the fused
+    Gram kernel serves the patch (it returns the volume-demeaned Gram and the mean) and the tridiagonal kernels
+    solve it (asked for, or ``auto``'s choice), taking n mu mu^T as a rank-one term."""
+    if options.demean != "none" or path == "gather" or not kernels.fused_fits(n_voxels, n_volumes, torch.float32):
+        return False
+    if eigensolver == "auto":
+        return torch.device(device).type == "cuda" and min(n_voxels, n_volumes) <= AUTO_TRIDIAGONAL_MAX_ORDER
+    return eigensolver == "tridiagonal"
 
 
 def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, refine=False):
@@ -392,7 +417,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
                                gram_path="fused" if run.fused else "gather", batch=run.step,
                                out_of_memory_retries=run.retries, n_slabs=len(slabs),
                                n_settled_in_float64=run.n_settled, n_redone_on_cpu=run.n_redone_on_cpu,
-                               eigenvalues_refined=bool(run.refine),
+                               eigenvalues_refined=bool(run.refine), mean_taken_apart=run.mean_apart,
                                gpu_peak_bytes=int(peak), seconds_engine=time.perf_counter() - started))
 
 
@@ -441,9 +466,12 @@ class _PlanRun:
     def __init__(self, plan, options, device, path, precision, max_batch, settle, eigensolver, n_volumes):
         self.plan, self.options, self.device, self.path, self.max_batch = plan, options, device, path, max_batch
         self.demean, self.center = options.demean, options.aggregation == "center"
-        self.dtype = gram_precision(options, precision)
+        self.dtype = gram_precision(options, precision, takes_mean_apart(options, device, path, eigensolver,
+                                                                         plan.patch_size, n_volumes))
         self.solver = eigensolver_for(eigensolver, device, min(plan.patch_size, n_volumes), self.dtype)
         self.settle = settle and self.dtype == torch.float32
+        self.settle_slack = TRIDIAGONAL_SETTLE_SLACK if isinstance(self.solver, TridiagonalEigh) else SETTLE_SLACK
+        self.mean_apart = False  # set with the Gram path: float32 first pass of an undemeaned run, fused, tridiagonal
         self.refine = 0  # block size of the refinement, set with the Gram path (0: no refinement)
         self.window_base = plan.window_base()
         self.voxel_offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).to(device)
@@ -463,6 +491,8 @@ class _PlanRun:
             refines = (self.settle and not self.fused and isinstance(self.solver, ProjectorFromVectors)
                        and m >= REFINE_MIN_ORDER)
             self.refine = refine_block(m) if refines else 0
+            self.mean_apart = (self.fused and self.demean == "none" and self.dtype == torch.float32
+                               and isinstance(self.solver, TridiagonalEigh))
         w0, w1 = slab.windows.start, slab.windows.stop
         if w1 == w0:
             return
@@ -545,7 +575,7 @@ class _SlabContext:
         # no demeaning in float32 with the tridiagonal kernels: the Gram of the undemeaned patch is
         # n mu mu^T + (the volume-demeaned Gram), exactly; the kernels take the second and the rank-one term
         # apart (``TridiagonalEigh.values(rank_one=...)``), so the patch's mean costs no precision
-        rank_one = fused and demean == "none" and dtype == torch.float32 and isinstance(run.solver, TridiagonalEigh)
+        rank_one = run.mean_apart and dtype == torch.float32
         if fused:
             gram, n_took_part, volume_mean = kernels.gram(volume, finite, base, run.voxel_offsets,
                                                           demean="volume" if rank_one else demean, dtype=dtype)
@@ -562,7 +592,7 @@ class _SlabContext:
         keep = info == 0
         unsettled = None
         if settle:
-            delta = rounding_uncertainty(values, REFINED_SETTLE_SLACK if refine else SETTLE_SLACK, scale)
+            delta = rounding_uncertainty(values, REFINED_SETTLE_SLACK if refine else run.settle_slack, scale)
             unsettled = unsettled_ranks(values, usable_voxels, usable_volumes, options.estimator, patch_rank, delta)
             if refine:
                 unsettled |= patch_rank >= refine - REFINE_GUARD

@@ -50,10 +50,12 @@ def _block(m: int) -> int:
 def _warps(m: int, dtype) -> int:
     """One warp for float32 matrices up to 64 x 64 (its reductions need no shared memory or barrier:
     measured on the H200, 12,600 matrices of 48 x 48, values 2.26 ms and projectors 2.02 ms with one warp,
-    2.98 and 3.73 with four); otherwise enough warps that the (BLOCK, BLOCK) matrix takes about 32
+    2.98 and 3.73 with four), two for float64 ones (values 13.7 / 20.1 / 22.5 ms with 2 / 4 / 8 warps; on
+    1,500 matrices, a settling pass's size, 1.8 / 2.7 / 3.0 ms and 3.6 with one warp, whose 64 x 64 float64
+    tile does not fit its registers); otherwise enough warps that the (BLOCK, BLOCK) matrix takes about 32
     registers' worth a thread."""
-    if dtype == torch.float32 and _block(m) <= 64:
-        return 1
+    if _block(m) <= 64:
+        return 1 if dtype == torch.float32 else 2
     elements = _block(m) ** 2 * (2 if dtype == torch.float64 else 1)
     return max(1, min(16, elements // (32 * 32)))
 
