@@ -714,8 +714,9 @@ def gram_kernel_alone(noisy, options):
 def dot_precisions(rows):
     """(g) issue 5: the fused kernels' tile products as float32 FMAs ("ieee") or three TF32 tensor-core
     products ("tf32x3"), on the seed's problem: the Gram kernel and the reconstruction kernel alone (best of
-    10), the Gram's error against float64, and ``denoise_gpu`` end to end with each (best of 5), checked
-    against the GPU's float64 run (fused float64 Gram + XsyevBatched, as exact as the CPU path)."""
+    10), the Gram's error against float64, and ``denoise_gpu`` end to end with each for both kernels and
+    with the defaults (``kernels.DOT_PRECISION``; best of 5), checked against the GPU's float64 run (fused
+    float64 Gram + XsyevBatched, as exact as the CPU path)."""
     from mppca_nipype.engine.gpu import kernels
 
     noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
@@ -731,7 +732,7 @@ def dot_precisions(rows):
     ones = torch.ones(n, device="cuda")
     sums = [torch.zeros((volume.shape[0], m), device="cuda")] + [torch.zeros(volume.shape[0], device="cuda")
                                                                     for _ in range(3)]
-    result = {}
+    result, defaults = {}, dict(kernels.DOT_PRECISION)
     for precision in kernels.DOT_PRECISIONS:
         gram_seconds, (gram32, _, _), _ = best_of(lambda: kernels.gram(
             volume, finite_rows, base, offsets, demean="voxel", dot_precision=precision), repeats=10)
@@ -739,19 +740,22 @@ def dot_precisions(rows):
             volume, finite_rows, base, offsets, projector, ones, ones, ones, *sums, demean="voxel",
             dot_precision=precision), repeats=10)
         gram_error = float(((gram32.double() - gram64).norm(dim=(1, 2)) / gram64.norm(dim=(1, 2))).max())
-        kernels.DOT_PRECISION = precision
+        result[precision] = dict(gram_ms=gram_seconds * 1e3, reconstruct_ms=reconstruct_seconds * 1e3,
+                                 gram_rel_error_max=gram_error)
+    for name, choice in (("ieee", dict(gram="ieee", reconstruct="ieee")),
+                         ("tf32x3", dict(gram="tf32x3", reconstruct="tf32x3")), ("defaults", defaults)):
+        kernels.DOT_PRECISION = choice
         try:
             seconds, out, peak = best_of(lambda: denoise_gpu(data, finite, plan, options))
         finally:
-            kernels.DOT_PRECISION = "ieee"
+            kernels.DOT_PRECISION = defaults
         denoised, rank = finish(out, data.shape)
-        result[precision] = dict(gram_ms=gram_seconds * 1e3, reconstruct_ms=reconstruct_seconds * 1e3,
-                                 gram_rel_error_max=gram_error, end_to_end_ms=seconds * 1e3,
-                                 n_settled=out.info["n_settled_in_float64"],
-                                 rank_map_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3)))
-        rows.append(dict(problem="seed", variant=f"ours, tile products {precision}", ms=seconds * 1e3,
+        result.setdefault(name, {}).update(choice=choice, end_to_end_ms=seconds * 1e3,
+                                           n_settled=out.info["n_settled_in_float64"],
+                                           rank_map_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3)))
+        rows.append(dict(problem="seed", variant=f"ours, tile products {choice}", ms=seconds * 1e3,
                          **errors(denoised, reference, truth), peak_gib=peak / 2**30))
-        print(precision, result[precision], rows[-1], flush=True)
+        print(name, result[name], rows[-1], flush=True)
     return result
 
 
