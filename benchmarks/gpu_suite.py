@@ -20,7 +20,8 @@
 (5) issue 5's eigen step alone: XsyevBatched, its eigenvalues alone, the tridiagonal Triton kernels, and
     tridiagonal eigenvalues with a Newton-Schulz projector, on 12,600 Gram matrices for T in 32..128 (and
     clustered and rank-deficient ones), timed and checked against XsyevBatched in float64.
-(p) the seed's problem under torch's profiler: device time per stage and kernel.
+(p) the seed's problem (with each eigensolver) and dwidenoise's mode on the same phantom under torch's
+    profiler: device time per stage and kernel.
 (r) long series (T = 300, 1000; windows of (c)'s phantoms): the float32 eigensolve's eigenvalue errors, the
     float64 Rayleigh quotients of its eigenvectors, the ranks and the windows each settling criterion flags.
 (w) the tridiagonal kernels' time per warps per program (values, Householder alone, projector), float32 at
@@ -274,19 +275,20 @@ def eigen_step(count=12_600):
 
 
 def profile_seed():
-    """Where the seed's problem spends its time on the device: ``denoise_gpu`` under torch's profiler, device
-    time summed by kernel into stages (Gram, eigen step, estimator and projector glue, reconstruction,
-    copies), per eigensolver; and the host-to-host wall time of the same call."""
+    """Where the seed's problem (per eigensolver) and dwidenoise's mode spend their time on the device:
+    ``denoise_gpu`` under torch's profiler, device time summed by kernel into stages (Gram, eigen step,
+    estimator and projector glue, reconstruction, copies); and the host-to-host wall time of the same call."""
     from torch.profiler import ProfilerActivity, profile
 
-    noisy, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
-    data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
+    seed, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
     stages = (("gram", ("_gram_kernel",)), ("eigen: tridiagonal values", ("_values_kernel",)),
               ("eigen: tridiagonal projector", ("_projector_kernel",)),
               ("eigen: XsyevBatched", ("syev", "sytrd", "steqr", "stedc", "orm", "jacobi", "batched")),
               ("reconstruct", ("_reconstruct",)), ("copies", ("Memcpy", "memcpy")))
     result = {}
-    for eigensolver in ("tridiagonal", "xsyev"):
+    for name, options, eigensolver in (("tridiagonal", SEED_OPTIONS, "tridiagonal"), ("xsyev", SEED_OPTIONS, "xsyev"),
+                                       ("dwidenoise mode, auto", DWIDENOISE_OPTIONS, "auto")):
+        data, finite, plan, options = prepare(seed, options)
         run = lambda: denoise_gpu(data, finite, plan, options, eigensolver=eigensolver)  # noqa: E731
         seconds, sums, _ = best_of(run, repeats=5)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -301,9 +303,9 @@ def profile_seed():
             stage = next((name for name, keys in stages if any(k in event.key for k in keys)), "other")
             totals[stage] = totals.get(stage, 0.0) + cuda_us / 1e3
         kernels.sort(key=lambda k: -k[1])
-        result[eigensolver] = dict(host_to_host_ms=seconds * 1e3, n_settled=sums.info["n_settled_in_float64"],
-                                   stages_ms=totals, top_kernels=kernels[:25])
-        print(eigensolver, f"{seconds * 1e3:.1f} ms", {k: round(v, 2) for k, v in totals.items()}, flush=True)
+        result[name] = dict(host_to_host_ms=seconds * 1e3, n_settled=sums.info["n_settled_in_float64"],
+                            stages_ms=totals, top_kernels=kernels[:25])
+        print(name, f"{seconds * 1e3:.1f} ms", {k: round(v, 2) for k, v in totals.items()}, flush=True)
         for name, ms, count in kernels[:12]:
             print(f"   {ms:8.2f} ms  x{count:<5} {name}", flush=True)
     return result
@@ -761,9 +763,11 @@ def dot_precisions(rows):
 
 def host_pieces():
     """(h) issue 5: the host side of ``denoise_gpu`` on the seed's problem, piece by piece (ms, best of 5):
-    page-locking the caller's (V, T) array in place and undoing it, its upload from page-locked and from
-    pageable memory, allocating the pinned outputs, the download into them; beside the whole backend."""
-    from mppca_nipype.engine.gpu.pipeline import _pin
+    page-locking the caller's (V, T) array in place and undoing it (and the undoing alone), its upload from
+    page-locked and from pageable memory, the upload page-locked in pieces (``PageLockedUpload``: until
+    the copies are done, and its release), allocating the pinned outputs, the download into them; beside
+    the whole backend."""
+    from mppca_nipype.engine.gpu.pipeline import PageLockedUpload, _pin
 
     noisy, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
     data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
@@ -780,21 +784,49 @@ def host_pieces():
             best = min(best, time.perf_counter() - started)
         return best * 1e3
 
-    def pin_and_unpin():
-        pinned, unpin = _pin(host)
-        assert pinned
-        unpin()
+    cudart = torch.cuda.cudart()
+
+    def pin_and_unpin(unpin=True):
+        assert _pin(host.ctypes.data, host.nbytes)
+        if unpin:
+            cudart.cudaHostUnregister(host.ctypes.data)
 
     def upload_pinned():
-        pinned, unpin = _pin(host)
+        assert _pin(host.ctypes.data, host.nbytes)
         torch.from_numpy(host).to("cuda", non_blocking=True)
         torch.cuda.synchronize()
-        unpin()
+        cudart.cudaHostUnregister(host.ctypes.data)
+
+    def upload_in_pieces():
+        """(ms until the copies of the series, page-locked in pieces, are done; ms of the release after)"""
+        upload_ms = release_ms = float("inf")
+        for _ in range(6):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            upload = PageLockedUpload(host)
+            upload.upload(slice(0, len(host)), torch.device("cuda"))
+            torch.cuda.synchronize()
+            uploaded = time.perf_counter()
+            upload.release()
+            upload_ms = min(upload_ms, (uploaded - started) * 1e3)
+            release_ms = min(release_ms, (time.perf_counter() - uploaded) * 1e3)
+        return upload_ms, release_ms
+
+    def unpin_alone():
+        best = float("inf")
+        for _ in range(5):
+            pin_and_unpin(unpin=False)
+            started = time.perf_counter()
+            cudart.cudaHostUnregister(host.ctypes.data)
+            best = min(best, time.perf_counter() - started)
+        return best * 1e3
 
     pieces = dict(
         mb=host.nbytes / 2**20,
         pin_and_unpin_ms=timed(pin_and_unpin),
+        unpin_alone_ms=unpin_alone(),
         upload_with_pinning_ms=timed(upload_pinned),
+        upload_in_pieces_and_release_ms=upload_in_pieces(),
         upload_pageable_ms=timed(lambda: torch.from_numpy(host).to("cuda")),
         pinned_outputs_ms=timed(lambda: torch.empty(host.shape, dtype=torch.float32, pin_memory=True)),
         download_pinned_ms=timed(lambda: torch.empty(host.shape, dtype=torch.float32, pin_memory=True)

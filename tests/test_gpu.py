@@ -297,3 +297,24 @@ def test_dwidenoise_mode_in_float32_with_the_mean_taken_apart_matches_cpu():
     print(f"rms {rms:.2e}, ranks equal {rank_equal:.4f}, settled {gpu.info['n_settled_in_float64']} of {plan.n_windows}")
     assert rms <= 1e-4 and rank_equal >= 0.995
     assert gpu.info["n_settled_in_float64"] <= 0.1 * plan.n_windows
+
+
+def test_page_locked_upload_copies_the_rows_and_unlocks_every_piece():
+    """Row ranges (overlapping, on two streams) arrive intact; every piece was page-locked for its copy and
+    is unlocked by ``release`` (the whole series can be page-locked again afterwards)."""
+    import torch
+
+    from mppca_nipype.engine.gpu.pipeline import PageLockedUpload, _pin
+
+    series = np.random.default_rng(5).standard_normal((20000, 48)).astype(np.float32)
+    upload = PageLockedUpload(series)
+    first = upload.upload(slice(0, 12000), torch.device("cuda"))
+    second = upload.upload(slice(9000, 20000), torch.device("cuda"), torch.cuda.Stream())
+    locked = list(upload.locked)
+    upload.release()
+    torch.cuda.synchronize()
+    assert len(locked) == 8 and all(locked) and upload.locked == [None] * 8
+    np.testing.assert_array_equal(first.cpu().numpy(), series[:12000])
+    np.testing.assert_array_equal(second.cpu().numpy(), series[9000:])
+    assert _pin(series.ctypes.data, series.nbytes)
+    torch.cuda.cudart().cudaHostUnregister(series.ctypes.data)

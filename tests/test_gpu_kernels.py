@@ -770,3 +770,19 @@ def test_slab_planes_follow_the_free_device_memory(monkeypatch):
             assert planes == int(pipeline.MEMORY_SHARE * 2 * whole / 2 // per_plane) - 4
             assert 1 < planes < 40
     assert pipeline.slab_planes(torch.device("cpu"), plan, 100) == 40
+
+
+@pytest.mark.parametrize("rows", [5000, 3, 1])
+def test_page_locked_pieces_are_page_aligned_and_cover_the_series(rows):
+    """The series is page-locked in pieces whose inner bounds fall on page boundaries (two pieces never
+    share a page) and which cover it in order; a series not aligned to its items is one piece."""
+    from mppca_nipype.engine.gpu.pipeline import PAGE_BYTES, PageLockedUpload
+
+    series = np.zeros((rows, 48), np.float32)
+    bounds = PageLockedUpload(series, pieces=8).bounds
+    assert bounds[0] == 0 and bounds[-1] == series.size and (np.diff(bounds) > 0).all()
+    assert all((series.ctypes.data + 4 * bound) % PAGE_BYTES == 0 for bound in bounds[1:-1])
+    if series.nbytes >= 16 * PAGE_BYTES:
+        assert len(bounds) == 9
+    unaligned = np.zeros(series.nbytes + 1, np.uint8)[1:].view(np.float32).reshape(series.shape)
+    assert PageLockedUpload(unaligned, pieces=8).bounds == [0, series.size]

@@ -204,17 +204,72 @@ def run_in_batches(n_items, step, run, *, min_batch=None, on_batch=None, on_retr
     return results, step, retries
 
 
-def _pin(array):
-    """Page-lock a NumPy array in place for fast, asynchronous copies to the device (no CPU copy into a
-    staging buffer); returns whether that worked and the function that undoes it."""
+#: Pieces the caller's series is page-locked in, each just before its rows are uploaded (``PageLockedUpload``).
+PIN_PIECES = 8
+#: Page size for the pieces' bounds (a page-locked range must not share a page with another).
+PAGE_BYTES = 4096
+
+
+def _pin(address, nbytes):
+    """Page-lock host memory in place (``cudaHostRegister``); True if that worked."""
     try:
-        cudart = torch.cuda.cudart()
-        code = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
-        if int(getattr(code, "value", code)) == 0:
-            return True, lambda: cudart.cudaHostUnregister(array.ctypes.data)
-    except Exception:
-        pass
-    return False, lambda: None
+        code = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        return int(getattr(code, "value", code)) == 0
+    except Exception:  # noqa: BLE001 - pageable copies still work, only slower
+        return False
+
+
+class PageLockedUpload:
+    """Uploads of row ranges of the caller's contiguous (V, T) float32 series, page-locked in place piece by
+    piece (``PIN_PIECES`` page-aligned pieces) just before a piece's first copy, so that the asynchronous copy
+    of one piece runs while the next is locked; ``release()`` unlocks them once the copies are done (called
+    while the device computes the first pass). Page-locking costs more than the copy itself (measured on
+    the H200's host, 81 MB: 4.3 ms to lock and unlock, 1.6 ms to copy). Pieces that cannot be locked (an
+    unaligned series, or the driver refuses) are copied from pageable memory, synchronously."""
+
+    def __init__(self, series, pieces=PIN_PIECES):
+        self.n_volumes = series.shape[1]
+        self.flat = series.reshape(-1)
+        start, size = series.ctypes.data, series.itemsize
+        bounds = [0]
+        if start % size == 0:
+            for k in range(1, pieces):
+                aligned = -(-(start + series.nbytes * k // pieces) // PAGE_BYTES) * PAGE_BYTES
+                element = (aligned - start) // size
+                if bounds[-1] < element < self.flat.size:
+                    bounds.append(element)
+        self.bounds = bounds + [self.flat.size]
+        self.locked = [None] * (len(self.bounds) - 1)  # per piece: None (not tried yet), True, False (failed)
+        self.done = None  # event after the last copy queued
+
+    def upload(self, rows, device, stream=None):
+        """Rows ``rows`` (a slice) of the series on ``device``, copied on ``stream`` (default: the current)."""
+        first, stop = rows.start * self.n_volumes, rows.stop * self.n_volumes
+        out = torch.empty((rows.stop - rows.start, self.n_volumes), dtype=torch.float32, device=device)
+        flat_out = out.reshape(-1)
+        stream = stream or torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
+            for piece, locked in enumerate(self.locked):
+                low, high = max(first, self.bounds[piece]), min(stop, self.bounds[piece + 1])
+                if low >= high:
+                    continue
+                if locked is None:
+                    part = self.flat[self.bounds[piece]:self.bounds[piece + 1]]
+                    self.locked[piece] = locked = _pin(part.ctypes.data, part.nbytes)
+                flat_out[low - first:high - first].copy_(torch.from_numpy(self.flat[low:high]), non_blocking=locked)
+            self.done = torch.cuda.Event()
+            self.done.record(stream)
+        return out
+
+    def release(self, wait=True):
+        """Unlock the locked pieces, once the copies queued so far are done (``wait``; without it the caller
+        has made sure that no copy is still reading them)."""
+        if wait and self.done is not None:
+            self.done.synchronize()
+        for piece, locked in enumerate(self.locked):
+            if locked:
+                torch.cuda.cudart().cudaHostUnregister(self.flat[self.bounds[piece]:].ctypes.data)
+                self.locked[piece] = None
 
 
 @dataclass(frozen=True)
@@ -352,10 +407,10 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     n_volumes = data.shape[3]
     host_volume = np.ascontiguousarray(data.reshape(-1, n_volumes))
     host_finite = np.ascontiguousarray(finite.reshape(-1), dtype=np.float32)
-    pinned, unpin = _pin(host_volume) if device.type == "cuda" else (False, lambda: None)
+    on_gpu = device.type == "cuda"
+    series = PageLockedUpload(host_volume) if on_gpu else None
     run = _PlanRun(plan, options, device, path, precision, max_batch, settle, eigensolver, n_volumes)
     slabs = plan_slabs(plan, planes or slab_planes(device, plan, n_volumes))
-    on_gpu = device.type == "cuda"
     outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=on_gpu)
                for shape in ((len(host_volume), n_volumes),) + ((len(host_volume),),) * 3]
     copies = torch.cuda.Stream(device) if on_gpu and len(slabs) > 1 else None
@@ -365,13 +420,16 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
         """The slab's series and finite flags on the device (on the copy stream when there are several
         slabs, with the event that says the copy is done)."""
         rows = slice(slab.first * plane, slab.stop * plane)
-        host = torch.from_numpy(host_volume[rows]), torch.from_numpy(host_finite[rows])
+        finite_rows = torch.from_numpy(host_finite[rows])
+        if not on_gpu:
+            return (torch.from_numpy(host_volume[rows]).to(device), finite_rows.to(device)), None
+        stream = copies or torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
+            on_device = series.upload(rows, device, stream), finite_rows.to(device, non_blocking=True)
         if copies is None:
-            return tuple(x.to(device, non_blocking=pinned) for x in host), None
-        with torch.cuda.stream(copies):
-            on_device = tuple(x.to(device, non_blocking=pinned) for x in host)
-            ready = torch.cuda.Event()
-            ready.record(copies)
+            return on_device, None
+        ready = torch.cuda.Event()
+        ready.record(copies)
         return on_device, ready
 
     carried, done_windows = None, 0
@@ -388,7 +446,10 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
                 volume.record_stream(stream)
                 finite_rows.record_stream(stream)
             sums = _SlabSums(len(finite_rows), n_volumes, device, carried)
-            run.slab(slab, volume, finite_rows, sums, report, data, finite)
+            # once every upload is queued, the series is unlocked while the device computes the first pass
+            every_upload_queued = series is not None and number + 2 >= len(slabs)
+            run.slab(slab, volume, finite_rows, sums, report, data, finite,
+                     before_waiting=series.release if every_upload_queued else None)
             done_windows = slab.windows.stop
             final = (slab.done - slab.first) * plane
             carried = sums.tail(final)
@@ -404,12 +465,14 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
         else:
             peak, device_name = 0, "cpu (Triton interpreter)"
     finally:
-        if pinned:  # no copy may still read the pages when they are unpinned (also after an error)
+        if series is not None:  # no copy may still read the pages when they are unlocked (also after an error)
             try:
                 torch.cuda.current_stream(device).synchronize()
+                if copies is not None:
+                    copies.synchronize()
             except Exception:  # noqa: BLE001 - the error on its way up says more than this one
                 pass
-        unpin()
+            series.release(wait=False)
     image, weight, sigma, rank = (x.numpy() for x in outputs)
     return PatchSums(image, weight, sigma, rank, normalized=normalize,
                      info=dict(backend="gpu", device=device_name, eigensolver=run.solver.backend,
@@ -478,9 +541,10 @@ class _PlanRun:
         self.step, self.retries, self.n_settled, self.n_redone_on_cpu = 0, 0, 0, 0
         self.fused = None
 
-    def slab(self, slab, volume, finite, sums, report, data, finite_host):
+    def slab(self, slab, volume, finite, sums, report, data, finite_host, before_waiting=None):
         """All the windows of one slab: a first pass in the Gram precision, then (float32) the windows it
-        could not settle and those whose eigensolve failed in float64, then what failed again on the CPU."""
+        could not settle and those whose eigensolve failed in float64, then what failed again on the CPU.
+        ``before_waiting()``, if given, runs once the first pass is queued, before the host waits for it."""
         plan, n_volumes, n_voxels = self.plan, volume.shape[1], self.plan.patch_size
         if self.fused is None:
             self.fused = self.path == "fused" or (self.path == "auto"
@@ -507,6 +571,8 @@ class _PlanRun:
         self.retries += retries
 
         # one look at the verdicts, after all the work is queued
+        if before_waiting is not None:
+            before_waiting()
         redo = torch.cat([info for info, _ in verdicts]) != 0
         if self.settle:
             redo |= torch.cat([left for _, left in verdicts])
