@@ -318,3 +318,22 @@ def test_page_locked_upload_copies_the_rows_and_unlocks_every_piece():
     np.testing.assert_array_equal(second.cpu().numpy(), series[9000:])
     assert _pin(series.ctypes.data, series.nbytes)
     torch.cuda.cudart().cudaHostUnregister(series.ctypes.data)
+
+
+def test_the_estimator_and_the_settling_test_never_wait_for_the_device():
+    """No host synchronisation in what runs per batch after the eigensolver (a Python count of volumes
+    used to be copied to the device, and each such copy waits for all queued work)."""
+    import torch
+
+    from mppca_nipype.engine.estimators import marchenko_pastur_threshold
+    from mppca_nipype.engine.gpu.pipeline import rounding_uncertainty, unsettled_ranks
+
+    values = torch.rand(64, 48, device="cuda", dtype=torch.float64).sort(dim=1).values
+    voxels = torch.full((64,), 125, device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rank, _ = marchenko_pastur_threshold(values, voxels, 48, "exp2")
+        unsettled_ranks(values, voxels, 48, "exp2", rank, rounding_uncertainty(values))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
