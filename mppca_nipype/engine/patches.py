@@ -179,18 +179,18 @@ def plan_patches(spatial_shape, extent, stride: int, mask: np.ndarray, finite: n
         ax, ay, az = np.unravel_index(active, grid_shape)
         corner = np.stack([positions[0][ax], positions[1][ay], positions[2][az]], axis=1)
         _, ny, nz = spatial_shape
-        inside = ((vx - corner[window_number[grid_index], 0]) * extent[1]
-                  + (vy - corner[window_number[grid_index], 1])) * extent[2] \
-                 + (vz - corner[window_number[grid_index], 2])
+        # each centre's window and its position there (the corner per axis: no (V, 3) gather)
+        own_window = window_number[grid_index]
+        inside = ((vx - positions[0][kx]) * extent[1] + (vy - positions[1][ky])) * extent[2] + (vz - positions[2][kz])
         # centres sorted by window, so that a run of windows serves a contiguous run of centres
-        by_window = np.argsort(window_number[grid_index], kind="stable")
+        by_window = np.argsort(own_window, kind="stable")
         return PatchPlan(
             spatial_shape, extent, stride,
             window_corner=corner,
             multiplicity=counts[active],
             voxel_offsets=offsets,
             centre_voxel=((vx * ny + vy) * nz + vz)[by_window],
-            centre_window=window_number[grid_index][by_window],
+            centre_window=own_window[by_window],
             centre_position=inside[by_window],
         )
 
