@@ -133,7 +133,8 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs):
                     return _run_pinned(run, slot), notes, placement
                 except GPUOutOfMemoryError as err:
                     placement["CPUFallback"] = err.reason
-            notes.append(f"{placement['CPUFallback']}; running on the CPU instead")
+                    fallback_note = err.fallback_note
+            notes.append(fallback_note)
             return run("cpu"), notes, placement
         notes.append(f"a GPU was asked for, but {placement['CPUFallback']}; ran on the CPU instead")
     return run("cpu"), notes, placement

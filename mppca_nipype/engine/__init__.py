@@ -205,12 +205,13 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
 
         if backend is denoise_cpu or not is_out_of_memory(err):
             raise
-        reason = f"the GPU ran out of memory even in batches of a few windows ({_first_line(err)})"
+        out_of_memory = GPUOutOfMemoryError(
+            f"the GPU ran out of memory even in batches of a few windows ({_first_line(err)})")
         if device == "cuda":
-            raise GPUOutOfMemoryError(reason) from None
-        warnings.warn(f"{reason}; running on the CPU instead", MPPCAWarning, stacklevel=2)
+            raise out_of_memory from None
+        warnings.warn(out_of_memory.fallback_note, MPPCAWarning, stacklevel=2)
         sums = denoise_cpu(data, finite, plan, options, nprocs=nprocs, progress=progress)
-        sums.info["cpu_fallback"] = reason
+        sums.info["cpu_fallback"] = out_of_memory.reason
     result = _finish(raw, mask, finite, sums)
     result.info.update(sums.info)
     result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,

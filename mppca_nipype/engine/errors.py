@@ -17,6 +17,11 @@ class GPUOutOfMemoryError(MPPCAInputError):
         super().__init__(f"{reason}; free the GPU or use device 'cpu'")
         self.reason = reason
 
+    @property
+    def fallback_note(self) -> str:
+        """The sentence a caller that goes on on the CPU reports (as ``denoise(device="auto")`` warns it)."""
+        return f"{self.reason}; running on the CPU instead"
+
 
 def is_out_of_memory(err: BaseException) -> bool:
     """Whether an exception from the GPU engine means the device ran out of memory: torch's
