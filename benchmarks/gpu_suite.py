@@ -24,8 +24,9 @@
     profiler: device time per stage and kernel.
 (r) long series (T = 300, 1000; windows of (c)'s phantoms): the float32 eigensolve's eigenvalue errors, the
     float64 Rayleigh quotients of its eigenvectors, the ranks and the windows each settling criterion flags.
-(w) the tridiagonal kernels' time per warps per program (values, Householder alone, projector), float32 at
-    m = 48, 64 and float64 at m = 48 (the settling pass's size, 1,500 matrices, and 12,600).
+(w) the tridiagonal kernels' time per warps per program (values, Householder alone, projector in one launch
+    and with a 16-lane launch for ranks <= 16), float32 at m = 48, 64 and float64 at m = 48 (the settling
+    pass's size, 1,500 matrices, and 12,600).
 (q) the seed's windows: the tridiagonal kernels' float32 eigenvalue errors and what each settling slack
     flags (and misses).
 (g) the fused kernels' tile products in float32 ("ieee") or as three TF32 products ("tf32x3"): each kernel
@@ -394,22 +395,27 @@ def dwidenoise_mode(rows):
     reference, reference_rank = finish(cpu_sums, data.shape)
     rows.append(dict(problem="dwidenoise 96x96x48x48", variant=f"our CPU path, {os.cpu_count()} processes",
                      ms=cpu_seconds * 1e3, **errors(reference, reference, truth), peak_gib=0.0))
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import pipeline, tridiagonal
 
     rank_one = dict(precision="float32", eigensolver="tridiagonal")
-    variants = [("ours (auto)", dict(), None),
-                ("float64 Gram + XsyevBatched", dict(precision="float64", eigensolver="xsyev"), None),
-                ("float64 Gram + tridiagonal eigensolver", dict(precision="float64", eigensolver="tridiagonal"), None)]
+    # (name, denoise_gpu's arguments, module settings for the run)
+    variants = [("ours (auto)", dict(), {}),
+                ("auto, projector kernel with a 16-lane launch for ranks <= 16", dict(),
+                 {(tridiagonal, "PROJECTOR_LANES"): 16}),
+                ("float64 Gram + XsyevBatched", dict(precision="float64", eigensolver="xsyev"), {}),
+                ("float64 Gram + tridiagonal eigensolver", dict(precision="float64", eigensolver="tridiagonal"), {})]
     variants += [(f"float32: demeaned Gram + the mean as a rank-one term, tridiagonal, gap limit {limit:g}",
-                  rank_one, limit) for limit in (1e-5, 1e-4, 1e-3, 1e-2, float("inf"))]
-    variants += [("float32 Gram + XsyevBatched", dict(precision="float32", eigensolver="xsyev"), None)]
-    default_limit = pipeline.PROJECTOR_GAP_LIMIT
-    for name, kwargs, limit in variants:
-        pipeline.PROJECTOR_GAP_LIMIT = default_limit if limit is None else limit
+                  rank_one, {(pipeline, "PROJECTOR_GAP_LIMIT"): limit}) for limit in (1e-5, 1e-3, float("inf"))]
+    variants += [("float32 Gram + XsyevBatched", dict(precision="float32", eigensolver="xsyev"), {})]
+    for name, kwargs, settings in variants:
+        defaults = {key: getattr(*key) for key in settings}
+        for (module, attribute), value in settings.items():
+            setattr(module, attribute, value)
         try:
             seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs))
         finally:
-            pipeline.PROJECTOR_GAP_LIMIT = default_limit
+            for (module, attribute), value in defaults.items():
+                setattr(module, attribute, value)
         denoised, rank = finish(sums, data.shape)
         rows.append(dict(problem="dwidenoise 96x96x48x48", variant=name, ms=seconds * 1e3,
                          **errors(denoised, reference, truth), peak_gib=peak / 2**30, batch=sums.info["batch"],
@@ -661,9 +667,13 @@ def tridiagonal_warps(count=12_600):
             copies = [work.clone() for _ in range(6)]
             values_ms, values = best(lambda a: solver.values(a)[0])
             projector_ms, projector = best(lambda _: solver.projector(rank))
+            low_rank = TridiagonalEigh("cuda", warps=warps, lanes=16)  # the 16-lane launch for ranks <= 16
+            low_rank._state = solver._state
+            lanes16_ms, projector16 = best(lambda _: low_rank.projector(rank))
             row = dict(m=m, dtype=str(dtype).replace("torch.", ""), batch=batch, warps=warps, values_ms=values_ms,
                        householder_alone_ms=householder_ms,
-                       projector_ms=projector_ms,
+                       projector_ms=projector_ms, projector_lanes16_ms=lanes16_ms,
+                       projector_lanes16_vs_one_launch=float((projector16 - projector).abs().amax()),
                        values_err=float(((values.double() - values64).abs().amax(1) / values64[:, -1]).max()),
                        projector_err=float((projector.double() - projector64).abs().amax()))
             rows.append(row)

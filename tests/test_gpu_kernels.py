@@ -666,6 +666,39 @@ def test_tridiagonal_eigensolver_takes_a_rank_one_term_apart(m):
         assert (error <= 40 * m * eps + 2 * eps * scale / gap).all(), (rank, error, eps * scale / gap)
 
 
+@interpreted
+@pytest.mark.parametrize("m, dtype, rank_one", [(40, torch.float32, False), (33, torch.float64, False),
+                                                (21, torch.float32, True)])
+def test_a_low_rank_projector_launch_gives_the_projectors_of_one_launch(m, dtype, rank_one):
+    """With ``lanes`` = 16 the ranks up to 16 take a launch with 16 lanes and the others a full one; every
+    projector is the one-launch projector (each lane's solve is its own) and LAPACK's."""
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+
+    rng = np.random.default_rng(m)
+    ranks = torch.tensor([0, 1, 5, 16, 17, m // 2 + 10, m - 1, m])
+    if rank_one:
+        full, demeaned, direction, weight = undemeaned_patch_grams(rng, len(ranks), 40, m)
+        matrices, extra = demeaned, dict(rank_one=(torch.from_numpy(direction), torch.from_numpy(weight)))
+        ranks = torch.tensor([0, 1, 2, 3, 16, 17, 20, 21])  # where the gaps are wide enough for float32
+    else:
+        x = rng.standard_normal((len(ranks), m, 2 * m))
+        full = matrices = x @ x.transpose(0, 2, 1)
+        extra = {}
+    projectors = []
+    for lanes in (0, 16):
+        solver = TridiagonalEigh("cpu", lanes=lanes)
+        solver.values(torch.from_numpy(matrices).to(dtype).clone(), **extra)  # overwritten
+        projectors.append(solver.projector(ranks).double().numpy())
+    eps = torch.finfo(dtype).eps
+    np.testing.assert_allclose(projectors[1], projectors[0], rtol=0, atol=10 * eps)
+    exact, vectors = np.linalg.eigh(full)
+    scale = np.abs(np.linalg.eigvalsh(matrices)).max(axis=1)  # ||A|| (without the rank-one term)
+    for b, r in enumerate(ranks.tolist()):  # each to float32's (float64's) rounding over its gap, as LAPACK's
+        gap = exact[b, m - r] - exact[b, m - r - 1] if 0 < r < m else np.inf
+        error = np.abs(projectors[1][b] - vectors[b][:, m - r:] @ vectors[b][:, m - r:].T).max()
+        assert error <= 40 * m * eps + 2 * eps * scale[b] / gap, (r, error, eps * scale[b] / gap)
+
+
 def test_projectors_whose_cut_float32_cannot_resolve_are_flagged():
     """eps ||A|| / gap at the rank's cut above the limit: flagged; a wide gap, rank 0 or rank m: not."""
     from mppca_nipype.engine.gpu.pipeline import unresolved_projectors

@@ -36,6 +36,13 @@ MAX_ORDER = 128
 #: remove what the first left and separate the members of a cluster (measured on the H200, 12,600 48 x 48
 #: matrices: 2 solves leave 1e-4 of projector error on clustered spectra, 3 leave 6e-7, at equal time).
 INVERSE_ITERATIONS = 3
+#: Lanes of a first projector launch that serves the matrices whose rank is at most this many (16 or more,
+#: the smallest ``tl.dot`` operand; 0: one launch with a lane for every eigenvalue, the measured default).
+#: The inverse iteration, its orthonormalisation and the back-transform then work on (BLOCK, LANES)
+#: instead of (BLOCK, BLOCK) (4x less at m = 48), a second launch takes the higher ranks. MP-PCA's ranks are
+#: mostly far below 16 (dwidenoise's mode: 1-6), and the projector kernel is 56 of the 161 ms of that
+#: mode's device time (fifth session). Written and tested under the interpreter; to be timed (gpu_suite w).
+PROJECTOR_LANES = 0
 
 
 def _bisections(dtype) -> int:
@@ -142,100 +149,107 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, m
 
 
 @triton.jit
-def _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, rows,
-                   m: tl.constexpr, BLOCK: tl.constexpr, FIRST: tl.constexpr):
+def _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, lanes,
+                   m: tl.constexpr, LANES: tl.constexpr, FIRST: tl.constexpr):
     """(T - shift_j I) y_j = b_j for every lane j at once (LU without pivoting). The right sides are the
     rows of ``work`` (row i holds b_i of every lane), or all ones with ``FIRST``; the solutions replace them.
     Row i of the second half of ``work`` keeps the factor's c'_i between the two sweeps."""
-    base = work_ptr + matrix * 2 * m * BLOCK
-    c_prev = tl.zeros((BLOCK,), dtype=shift.dtype)
-    y_prev = tl.zeros((BLOCK,), dtype=shift.dtype)
+    base = work_ptr + matrix * 2 * m * LANES
+    c_prev = tl.zeros((LANES,), dtype=shift.dtype)
+    y_prev = tl.zeros((LANES,), dtype=shift.dtype)
     for i in range(0, m):
         d_i = tl.load(d_ptr + matrix * m + i)
         e_i = tl.load(e_ptr + matrix * m + i)
         e_next = tl.load(e_ptr + matrix * m + i + 1, mask=i + 1 < m, other=0.0)
         if FIRST:
-            b_i = tl.zeros((BLOCK,), dtype=shift.dtype) + 1.0
+            b_i = tl.zeros((LANES,), dtype=shift.dtype) + 1.0
         else:
-            b_i = tl.load(base + i * BLOCK + rows)
+            b_i = tl.load(base + i * LANES + lanes)
         pivot = d_i - shift - e_i * c_prev
         pivot = tl.where(tl.abs(pivot) < pivot_floor, tl.where(pivot < 0, -pivot_floor, pivot_floor), pivot)
         c_prev = e_next / pivot
         y_prev = (b_i - e_i * y_prev) / pivot
-        tl.store(base + i * BLOCK + rows, y_prev)
-        tl.store(base + (m + i) * BLOCK + rows, c_prev)
-    y_next = tl.zeros((BLOCK,), dtype=shift.dtype)
+        tl.store(base + i * LANES + lanes, y_prev)
+        tl.store(base + (m + i) * LANES + lanes, c_prev)
+    y_next = tl.zeros((LANES,), dtype=shift.dtype)
     for step in range(0, m):
         i = m - 1 - step
-        y_i = tl.load(base + i * BLOCK + rows) - tl.load(base + (m + i) * BLOCK + rows) * y_next
-        tl.store(base + i * BLOCK + rows, y_i)
+        y_i = tl.load(base + i * LANES + lanes) - tl.load(base + (m + i) * LANES + lanes) * y_next
+        tl.store(base + i * LANES + lanes, y_i)
         y_next = y_i
 
 
 @triton.jit
-def _orthonormal_columns(y, keep, rank, rows, tiny, m: tl.constexpr):
-    """Modified Gram-Schmidt over the kept lanes, from the largest eigenvalue (lane m-1) down."""
+def _orthonormal_columns(y, keep, rank, lanes, tiny, LANES: tl.constexpr):
+    """Modified Gram-Schmidt over the kept lanes, from the largest eigenvalue (the last lane) down."""
     for t in range(0, rank):
-        j = m - 1 - t
-        column = tl.sum(tl.where(rows[None, :] == j, y, 0.0), axis=1)
+        j = LANES - 1 - t
+        column = tl.sum(tl.where(lanes[None, :] == j, y, 0.0), axis=1)
         column = column / tl.maximum(tl.sqrt(tl.sum(column * column, axis=0)), tiny)
         overlap = tl.sum(y * column[:, None], axis=0)
-        overlap = tl.where(keep & (rows < j), overlap, 0.0)
+        overlap = tl.where(keep & (lanes < j), overlap, 0.0)
         y = y - column[:, None] * overlap[None, :]
-        y = tl.where(rows[None, :] == j, column[:, None], y)
+        y = tl.where(lanes[None, :] == j, column[:, None], y)
     return y
 
 
 @triton.jit
 def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, projector_ptr, direction_ptr,
-                      m: tl.constexpr, BLOCK: tl.constexpr, FP64: tl.constexpr, SOLVES: tl.constexpr,
-                      RANK_ONE: tl.constexpr):
+                      m: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr, FP64: tl.constexpr,
+                      SOLVES: tl.constexpr, RANK_ONE: tl.constexpr, LOWEST_RANK: tl.constexpr,
+                      HIGHEST_RANK: tl.constexpr):
+    """The projector of every matrix whose rank lies in [LOWEST_RANK, HIGHEST_RANK] (the others are left to
+    another launch): lane j solves for eigenvalue m - LANES + j, so LANES >= HIGHEST_RANK lanes serve the
+    top ranks (LANES = BLOCK serves every rank)."""
     matrix = tl.program_id(0).to(tl.int64)
     dtype = tl.float64 if FP64 else tl.float32
     rows = tl.arange(0, BLOCK)
+    lanes = tl.arange(0, LANES)
+    index = lanes + (m - LANES)  # the eigenvalue of each lane (negative: no eigenvalue, for LANES > m)
     r = rows[:, None]
     c = rows[None, :]
     rank = tl.load(rank_ptr + matrix).to(tl.int32)
-    keep = (rows >= m - rank) & (rows < m)
+    keep = (index >= m - rank) & (index >= 0)
     out = projector_ptr + matrix * m * m + r * m + c
-    if rank == 0:
-        tl.store(out, tl.zeros((BLOCK, BLOCK), dtype=dtype).to(projector_ptr.dtype.element_ty),
-                 mask=(r < m) & (c < m))
-    else:
-        values = tl.load(values_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
-        magnitude = tl.abs(values)
-        if RANK_ONE:  # the largest carries rho; the others are known to a rounding of A's scale, not rho's
-            magnitude = tl.where(rows < m - 1, magnitude, 0.0)
-        scale = tl.max(magnitude, axis=0)
-        eps = 2.2e-16 if FP64 else 1.2e-7
-        tiny = 1e-300 if FP64 else 1e-30
-        pivot_floor = tl.maximum(eps * scale, tiny)
-        # the shifts, nudged apart so that equal eigenvalues give different solves
-        shift = values + (rows - m / 2).to(dtype) * (eps * scale)
-        base = work_ptr + matrix * 2 * m * BLOCK
-        y = tl.zeros((BLOCK, BLOCK), dtype=dtype)
-        for solve in range(0, SOLVES):
-            tl.debug_barrier()
-            if solve == 0:
-                _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, rows, m, BLOCK, True)
-            else:
-                _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, rows, m, BLOCK, False)
-            tl.debug_barrier()
-            y = tl.load(base + r * BLOCK + c, mask=r < m, other=0.0)
-            y = _orthonormal_columns(tl.where(keep[None, :], y, 0.0), keep, rank, rows, tiny, m)
-            if solve + 1 < SOLVES:
+    if (rank >= LOWEST_RANK) & (rank <= HIGHEST_RANK):
+        if rank == 0:
+            tl.store(out, tl.zeros((BLOCK, BLOCK), dtype=dtype).to(projector_ptr.dtype.element_ty),
+                     mask=(r < m) & (c < m))
+        else:
+            magnitude = tl.abs(tl.load(values_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype))
+            if RANK_ONE:  # the largest carries rho; the others are known to a rounding of A's scale, not rho's
+                magnitude = tl.where(rows < m - 1, magnitude, 0.0)
+            scale = tl.max(magnitude, axis=0)
+            values = tl.load(values_ptr + matrix * m + index, mask=index >= 0, other=0.0).to(dtype)
+            eps = 2.2e-16 if FP64 else 1.2e-7
+            tiny = 1e-300 if FP64 else 1e-30
+            pivot_floor = tl.maximum(eps * scale, tiny)
+            # the shifts, nudged apart so that equal eigenvalues give different solves
+            shift = values + (index - m / 2).to(dtype) * (eps * scale)
+            base = work_ptr + matrix * 2 * m * LANES
+            y = tl.zeros((BLOCK, LANES), dtype=dtype)
+            for solve in range(0, SOLVES):
                 tl.debug_barrier()
-                tl.store(base + r * BLOCK + c, y, mask=r < m)
-        # back to the matrix's basis: y <- H_0 (H_1 (... H_{m-3} y))
-        for step in range(0, m - 2):
-            k = m - 3 - step
-            u = tl.load(a_ptr + matrix * m * m + k * m + rows, mask=rows < m, other=0.0).to(dtype)
-            y = y - u[:, None] * tl.sum(u[:, None] * y, axis=0)[None, :]
-        if RANK_ONE:  # and through H_w, the first reflector
-            u = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
-            y = y - u[:, None] * tl.sum(u[:, None] * y, axis=0)[None, :]
-        projector = tl.dot(y, tl.trans(y), input_precision="ieee", out_dtype=dtype)
-        tl.store(out, projector.to(projector_ptr.dtype.element_ty), mask=(r < m) & (c < m))
+                if solve == 0:
+                    _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, lanes, m, LANES, True)
+                else:
+                    _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, lanes, m, LANES, False)
+                tl.debug_barrier()
+                y = tl.load(base + r * LANES + lanes[None, :], mask=r < m, other=0.0)
+                y = _orthonormal_columns(tl.where(keep[None, :], y, 0.0), keep, rank, lanes, tiny, LANES)
+                if solve + 1 < SOLVES:
+                    tl.debug_barrier()
+                    tl.store(base + r * LANES + lanes[None, :], y, mask=r < m)
+            # back to the matrix's basis: y <- H_0 (H_1 (... H_{m-3} y))
+            for step in range(0, m - 2):
+                k = m - 3 - step
+                u = tl.load(a_ptr + matrix * m * m + k * m + rows, mask=rows < m, other=0.0).to(dtype)
+                y = y - u[:, None] * tl.sum(u[:, None] * y, axis=0)[None, :]
+            if RANK_ONE:  # and through H_w, the first reflector
+                u = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
+                y = y - u[:, None] * tl.sum(u[:, None] * y, axis=0)[None, :]
+            projector = tl.dot(y, tl.trans(y), input_precision="ieee", out_dtype=dtype)
+            tl.store(out, projector.to(projector_ptr.dtype.element_ty), mask=(r < m) & (c < m))
 
 
 class TridiagonalEigh:
@@ -250,9 +264,10 @@ class TridiagonalEigh:
 
     backend = "triton tridiagonal (Householder + bisection + inverse iteration)"
 
-    def __init__(self, device, warps=None):
+    def __init__(self, device, warps=None, lanes=None):
         self.device = torch.device(device)
         self.warps = warps  # warps per program (default ``_warps``; for benchmarks)
+        self.lanes = lanes  # lanes of the low-rank projector launch (default ``PROJECTOR_LANES``)
         self._state = None
 
     def workspace_bytes(self, batch, m, dtype):
@@ -298,10 +313,15 @@ class TridiagonalEigh:
         out = torch.empty((batch, m, m), dtype=matrices.dtype, device=matrices.device)
         work = torch.empty((batch, 2 * m, _block(m)), dtype=matrices.dtype, device=matrices.device)
         rank = rank.to(torch.int32).contiguous()
-        if batch:
+        lanes = PROJECTOR_LANES if self.lanes is None else self.lanes
+        # (lanes, lowest rank, highest rank) of each launch; each matrix is served by one of them
+        launches = ([(lanes, 0, lanes), (_block(m), lanes + 1, m)] if 16 <= lanes < _block(m)
+                    else [(_block(m), 0, m)])
+        for launch_lanes, lowest, highest in launches if batch else ():
             _projector_kernel[(batch,)](matrices, d, e, values, rank, work, out,
                                         d if direction is None else direction, m, BLOCK=_block(m),
-                                        FP64=matrices.dtype == torch.float64, SOLVES=INVERSE_ITERATIONS,
-                                        RANK_ONE=direction is not None,
+                                        LANES=launch_lanes, FP64=matrices.dtype == torch.float64,
+                                        SOLVES=INVERSE_ITERATIONS, RANK_ONE=direction is not None,
+                                        LOWEST_RANK=lowest, HIGHEST_RANK=highest,
                                         num_warps=self.warps or _warps(m, matrices.dtype))
         return out
