@@ -1,0 +1,122 @@
+"""Compile every Triton kernel variant the GPU engine launches for NVIDIA GPUs, on a machine without one.
+
+    python tests/kernel_builds.py [CAPABILITY ...]      (default: 80 90)
+
+The launchers (``kernels.gram``, ``TridiagonalEigh.values``, ...) run on CPU tensors with Triton's launch
+replaced by a recorder; each recorded launch (kernel, arguments, compile-time constants, warps) is then
+compiled by Triton's own compiler (to PTX and, with the ptxas Triton ships, to a cubin) for each capability.
+The interpreter, which runs the kernels' arithmetic in CI, accepts programs the compiler refuses; this is
+the check that the compiled path still builds. Must run where TRITON_INTERPRET is unset (the interpreter
+replaces the kernels when triton is imported). Prints one line per build; exits 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+POINTER_TYPES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def recorded_launches(call):
+    """The launches ``call()`` makes, as (kernel, arguments by name, launch options), none of them run."""
+    launches = []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        values = dict(zip(self.arg_names, args))
+        values.update({name: value for name, value in kwargs.items() if name in self.arg_names})
+        options = {name: value for name, value in kwargs.items() if name not in self.arg_names}
+        launches.append((self, values, options))
+
+    JITFunction.run = record
+    try:
+        call()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def build(kernel, values, options, capability):
+    """Compile one recorded launch for ``capability`` (e.g. 90)."""
+    signature, constants = {}, {}
+    for param in kernel.params:
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name], constants[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = POINTER_TYPES[value.dtype]
+        else:
+            signature[param.name] = "i64" if abs(int(value)) >= 2**31 else "i32"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def cases():
+    """(name, call) for each kernel variant the pipeline launches: every demeaning, tile-product precision
+    and Gram precision of the fused kernels; the tridiagonal kernels in float32 and float64, with and
+    without the rank-one term, with one projector launch and with a 16-lane one, at m = 48 and 128."""
+    from mppca_nipype.engine.gpu import kernels
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+
+    n_rows, n_voxels, n_volumes, batch = 4000, 343, 48, 8
+    volume, finite = torch.zeros((n_rows, n_volumes)), torch.ones(n_rows)
+    base = torch.zeros(batch, dtype=torch.int64)
+    offsets = torch.arange(n_voxels, dtype=torch.int32)
+    sums = (torch.zeros((n_rows, n_volumes)), torch.zeros(n_rows), torch.zeros(n_rows), torch.zeros(n_rows))
+    patch = [torch.ones(batch) for _ in range(3)]
+    projector = torch.zeros((batch, n_volumes, n_volumes))
+    mean = torch.zeros((batch, n_volumes))
+    for demean in ("none", "voxel", "volume"):
+        volume_mean = mean if demean == "volume" else None
+        for dtype, dots in ((torch.float32, kernels.DOT_PRECISIONS), (torch.float64, ("ieee",))):
+            for dot in dots:
+                yield (f"gram {demean} {str(dtype)[6:]} {dot}",
+                       lambda d=demean, t=dtype, p=dot: kernels.gram(volume, finite, base, offsets, demean=d,
+                                                                     dtype=t, dot_precision=p))
+        for dot in kernels.DOT_PRECISIONS:
+            yield (f"reconstruct_accumulate {demean} {dot}",
+                   lambda d=demean, p=dot, v=volume_mean: kernels.reconstruct_accumulate(
+                       volume, finite, base, offsets, projector, *patch, *sums, demean=d, volume_mean=v,
+                       dot_precision=p))
+        yield (f"reconstruct_centres {demean}",
+               lambda d=demean, v=volume_mean: kernels.reconstruct_centres(
+                   volume, torch.zeros(batch, dtype=torch.int64), torch.arange(batch, dtype=torch.int32),
+                   projector, *patch, *sums, demean=d, volume_mean=v))
+    for m, dtype, rank_one, lanes in ((48, torch.float32, False, 0), (48, torch.float32, True, 0),
+                                      (48, torch.float32, True, 16), (48, torch.float64, False, 0),
+                                      (48, torch.float64, False, 16), (128, torch.float32, False, 0)):
+        def eigen_step(m=m, dtype=dtype, rank_one=rank_one, lanes=lanes):
+            solver = TridiagonalEigh("cpu", lanes=lanes)
+            extra = dict(rank_one=(torch.zeros((batch, m)), torch.zeros(batch))) if rank_one else {}
+            solver.values(torch.zeros((batch, m, m), dtype=dtype), **extra)
+            solver.projector(torch.ones(batch, dtype=torch.int32))
+        yield f"tridiagonal m={m} {str(dtype)[6:]} rank_one={rank_one} lanes={lanes}", eigen_step
+
+
+def main(capabilities):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("TRITON_INTERPRET=1 replaces the kernels by the interpreter; unset it")
+    failed = 0
+    for name, call in cases():
+        for kernel, values, options in recorded_launches(call):
+            for capability in capabilities:
+                label = f"{name}: {kernel.__name__} sm_{capability} {options}"
+                try:
+                    build(kernel, values, options, capability)
+                    print("built", label, flush=True)
+                except Exception:  # noqa: BLE001 - report every failure, then fail
+                    failed += 1
+                    print("FAILED", label, traceback.format_exc(), sep="\n", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main([int(c) for c in sys.argv[1:]] or [80, 90]))
