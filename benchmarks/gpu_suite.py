@@ -7,9 +7,10 @@
     demeaning: NumPy one patch at a time on 1 BLAS thread (estimated from a subset), batched Gram +
     torch.linalg.eigh, batched Gram + XsyevBatched, the fused kernels + XsyevBatched at batch 2048 (the
     article's final step), ours (batch from free memory); plus ``denoise()`` itself, host to host.
-(b) dwidenoise mode (5^3, stride 1, centre, no demeaning, exp2) on 96x96x48x48; what ``auto`` picks, float64
-    and float32 (the mean taken apart as a rank-one term with the tridiagonal kernels, at several limits on
-    the projector's gap; and plainly with XsyevBatched).
+(b) dwidenoise mode (5^3, stride 1, centre, no demeaning, exp2) on 96x96x48x48; what ``auto`` picks (also
+    with the opt-in 16-lane projector launch and the threshold kernel), float64 and float32 (the mean taken
+    apart as a rank-one term with the tridiagonal kernels, at several limits on the projector's gap; and
+    plainly with XsyevBatched).
 (c) defaults on a DWI-like (T = 300) and an fMRI-like (T = 1000) phantom, GPU and our CPU path on this
     machine's cores; ``--full`` runs the issue's full sizes (96x96x60x300, 64x64x40x1000), else crops of them.
 (d) peak GPU memory of each.
@@ -402,6 +403,8 @@ def dwidenoise_mode(rows):
     variants = [("ours (auto)", dict(), {}),
                 ("auto, projector kernel with a 16-lane launch for ranks <= 16", dict(),
                  {(tridiagonal, "PROJECTOR_LANES"): 16}),
+                ("auto, the estimator and settling test in one kernel", dict(), {(pipeline, "FUSED_THRESHOLD"): True}),
+                ("auto, both", dict(), {(tridiagonal, "PROJECTOR_LANES"): 16, (pipeline, "FUSED_THRESHOLD"): True}),
                 ("float64 Gram + XsyevBatched", dict(precision="float64", eigensolver="xsyev"), {}),
                 ("float64 Gram + tridiagonal eigensolver", dict(precision="float64", eigensolver="tridiagonal"), {})]
     variants += [(f"float32: demeaned Gram + the mean as a rank-one term, tridiagonal, gap limit {limit:g}",

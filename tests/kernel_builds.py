@@ -22,7 +22,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-POINTER_TYPES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int32: "*i32", torch.int64: "*i64"}
+POINTER_TYPES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int8: "*i8", torch.int32: "*i32",
+                 torch.int64: "*i64"}
 
 
 def recorded_launches(call):
@@ -62,7 +63,8 @@ def build(kernel, values, options, capability):
 def cases():
     """(name, call) for each kernel variant the pipeline launches: every demeaning, tile-product precision
     and Gram precision of the fused kernels; the tridiagonal kernels in float32 and float64, with and
-    without the rank-one term, with one projector launch and with a 16-lane one, at m = 48 and 128."""
+    without the rank-one term, with one projector launch and with a 16-lane one, at m = 48 and 128; the
+    threshold kernel for each estimator, with and without the settling test."""
     from mppca_nipype.engine.gpu import kernels
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
@@ -99,6 +101,13 @@ def cases():
             solver.values(torch.zeros((batch, m, m), dtype=dtype), **extra)
             solver.projector(torch.ones(batch, dtype=torch.int32))
         yield f"tridiagonal m={m} {str(dtype)[6:]} rank_one={rank_one} lanes={lanes}", eigen_step
+    from mppca_nipype.engine.gpu.threshold import threshold_on_device
+
+    values, voxels = torch.zeros((batch, 48), dtype=torch.float64), torch.full((batch,), 343)
+    for estimator in ("exp2", "exp1"):
+        for delta in (None, torch.zeros(batch, dtype=torch.float64)):
+            yield (f"threshold {estimator} settle={delta is not None}",
+                   lambda e=estimator, d=delta: threshold_on_device(values, voxels, 47, e, d))
 
 
 def main(capabilities):

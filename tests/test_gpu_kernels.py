@@ -819,3 +819,51 @@ def test_page_locked_pieces_are_page_aligned_and_cover_the_series(rows):
         assert len(bounds) == 9
     unaligned = np.zeros(series.nbytes + 1, np.uint8)[1:].view(np.float32).reshape(series.shape)
     assert PageLockedUpload(unaligned, pieces=8).bounds == [0, series.size]
+
+
+@interpreted
+@pytest.mark.parametrize("estimator", ["exp2", "exp1"])
+@pytest.mark.parametrize("m", [12, 48])
+def test_the_threshold_kernel_decides_as_the_estimator_and_the_settling_test(estimator, m):
+    """``threshold_on_device`` (one kernel) against ``marchenko_pastur_threshold`` and ``unsettled_ranks``:
+    the same ranks, noise variances and unsettled windows, with voxels fewer and more than m, and windows
+    near their threshold (a delta of a few percent flags some, a zero delta none)."""
+    from mppca_nipype.engine.estimators import marchenko_pastur_threshold
+    from mppca_nipype.engine.gpu.pipeline import unsettled_ranks
+    from mppca_nipype.engine.gpu.threshold import threshold_on_device
+
+    rng = np.random.default_rng(m)
+    count = 300
+    n_voxels = rng.integers(m // 2, 4 * m, size=count)
+    x = rng.standard_normal((count, 4 * m, m)) * (rng.random((count, 1, m)) < 0.9)
+    x[:, :, -3:] *= rng.uniform(1, 8, size=(count, 1, 3))  # a few signal components, some near the edge
+    values = torch.from_numpy(np.linalg.eigvalsh(x.transpose(0, 2, 1) @ x))
+    voxels = torch.from_numpy(n_voxels)
+    rank, sigma2 = marchenko_pastur_threshold(values, voxels, m - 1, estimator)
+    delta = 0.03 * values[:, -1:] * torch.from_numpy(rng.random((count, 1)))
+    expected = unsettled_ranks(values, voxels, m - 1, estimator, rank, delta)
+    got_rank, got_sigma2, unsettled = threshold_on_device(values, voxels, m - 1, estimator, delta)
+    assert (got_rank == rank).all()
+    np.testing.assert_allclose(got_sigma2.numpy(), sigma2.numpy(), rtol=1e-12, atol=0)
+    assert (unsettled == expected).all() and 0 < int(expected.sum()) < count
+    assert not threshold_on_device(values, voxels, m - 1, estimator, torch.zeros(count))[2].any()
+    assert threshold_on_device(values, voxels, m - 1, estimator)[2] is None
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 2, "volume"), ("center", 1, "none")])
+def test_runs_with_the_threshold_kernel_give_what_the_estimator_gives(kernels, monkeypatch, aggregation, stride,
+                                                                      demean):
+    """``FUSED_THRESHOLD``: the same ranks, settled windows and denoised series as the torch estimator."""
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, baseline=1000.0, seed=9)
+    data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
+                                              aggregation=aggregation, demean=demean)
+    runs = []
+    for fused in (False, True):
+        monkeypatch.setattr(pipeline, "FUSED_THRESHOLD", fused)
+        runs.append(pipeline.denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal"))
+    assert runs[1].info["n_settled_in_float64"] == runs[0].info["n_settled_in_float64"]
+    np.testing.assert_array_equal(runs[1].rank, runs[0].rank)
+    np.testing.assert_allclose(runs[1].image, runs[0].image, rtol=1e-6, atol=1e-4)

@@ -10,8 +10,9 @@ Per batch, with no host synchronisation:
    ranks are known, inverse iteration for the kept eigenvectors only) or ``eigh.BatchedEigh``
    (cusolverDnXsyevBatched, all eigenvectors); ``eigensolver_for`` says which runs.
    Either on torch's current stream; ``info`` stays on the device.
-3. ``estimators.marchenko_pastur_threshold`` and ``signal_projector`` (the CPU's own code, on torch tensors,
-   in float64 for the threshold), ``aggregation_weights`` times the window's multiplicity.
+3. ``estimators.marchenko_pastur_threshold`` (the CPU's own code, on torch tensors, in float64; or, with
+   ``FUSED_THRESHOLD``, the same decision and the settling test in one kernel, ``threshold``), the
+   solver's projector onto the kept eigenvectors, ``aggregation_weights`` times the window's multiplicity.
 4. Reconstruction added into (V, T) image and (V,) weight/sigma/rank sums on the device (atomics), or for
    ``center`` each centre row written to its voxel.
 
@@ -67,6 +68,7 @@ import torch
 from ..estimators import aggregation_weights, marchenko_pastur_threshold
 from . import kernels
 from .eigh import BatchedEigh, ProjectorFromVectors
+from .threshold import threshold_on_device
 from .tridiagonal import MAX_ORDER as TRIDIAGONAL_MAX_ORDER, TridiagonalEigh
 
 #: The eigensolvers ``denoise_gpu(eigensolver=...)`` takes ("auto": ``eigensolver_for``).
@@ -104,6 +106,10 @@ REFINED_SETTLE_SLACK = 0.1
 #: mode on 96x96x48x48: 4.8e-7 from float64 at 1e-2 and with no limit (3,263 windows settled for their rank
 #: either way), 1.7e-7 at 1e-5 but with 88% of the windows redone.
 PROJECTOR_GAP_LIMIT = 1e-2
+#: The estimator and the settling test in one Triton kernel per batch (``threshold``) instead of ~125 torch
+#: launches (20.6 ms of device time in dwidenoise's mode, fifth session's profile). Opt-in until timed on a
+#: GPU (suite parts b and p); tested against ``marchenko_pastur_threshold`` under the interpreter.
+FUSED_THRESHOLD = False
 
 
 def gram_precision(options, precision: str = "auto", mean_apart: bool = False) -> torch.dtype:
@@ -371,6 +377,17 @@ def unsettled_ranks(values, n_voxels, n_volumes, estimator, rank, delta):
     for moved in (values + delta, values - delta, values + delta * ramp, values - delta * ramp):
         unsettled |= marchenko_pastur_threshold(moved, n_voxels, n_volumes, estimator)[0] != rank
     return unsettled
+
+
+def ranks_and_settling(values, n_voxels, n_volumes, estimator, delta=None):
+    """The estimator's (rank, sigma2) and, given the eigenvalues' error ``delta``, ``unsettled_ranks`` (else
+    None): ``threshold.threshold_on_device``'s one kernel with ``FUSED_THRESHOLD``, else the CPU's own
+    ``marchenko_pastur_threshold`` on torch tensors."""
+    if FUSED_THRESHOLD:
+        return threshold_on_device(values, n_voxels, n_volumes, estimator, delta)
+    rank, sigma2 = marchenko_pastur_threshold(values, n_voxels, n_volumes, estimator)
+    unsettled = None if delta is None else unsettled_ranks(values, n_voxels, n_volumes, estimator, rank, delta)
+    return rank, sigma2, unsettled
 
 
 def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, device=None, path="auto",
@@ -653,13 +670,13 @@ class _SlabContext:
         values, info, scale = _eigenvalues_of(run.solver, gram, dtype, refine, rank_one, n_took_part, volume_mean)
         # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
         usable_voxels, usable_volumes = n_took_part - int(demean == "volume"), n_volumes - int(demean == "voxel")
-        patch_rank, sigma2 = marchenko_pastur_threshold(values, usable_voxels, usable_volumes, options.estimator)
+        delta = (rounding_uncertainty(values, REFINED_SETTLE_SLACK if refine else run.settle_slack, scale)
+                 if settle else None)
+        patch_rank, sigma2, unsettled = ranks_and_settling(values, usable_voxels, usable_volumes,
+                                                           options.estimator, delta)
         projector = run.solver.projector(patch_rank)
         keep = info == 0
-        unsettled = None
         if settle:
-            delta = rounding_uncertainty(values, REFINED_SETTLE_SLACK if refine else run.settle_slack, scale)
-            unsettled = unsettled_ranks(values, usable_voxels, usable_volumes, options.estimator, patch_rank, delta)
             if refine:
                 unsettled |= patch_rank >= refine - REFINE_GUARD
             if rank_one:
