@@ -787,15 +787,8 @@ def host_pieces():
     host = np.ascontiguousarray(data.reshape(-1, data.shape[3]))
     on_device = torch.from_numpy(host).cuda()
 
-    def timed(run, repeats=5):
-        best = float("inf")
-        for _ in range(repeats + 1):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            run()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - started)
-        return best * 1e3
+    def timed(run):
+        return best_of(run)[0] * 1e3
 
     cudart = torch.cuda.cudart()
 
