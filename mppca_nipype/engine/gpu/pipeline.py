@@ -107,9 +107,11 @@ REFINED_SETTLE_SLACK = 0.1
 #: either way), 1.7e-7 at 1e-5 but with 88% of the windows redone.
 PROJECTOR_GAP_LIMIT = 1e-2
 #: The estimator and the settling test in one Triton kernel per batch (``threshold``) instead of ~125 torch
-#: launches (20.6 ms of device time in dwidenoise's mode, fifth session's profile). Opt-in until timed on a
-#: GPU (suite parts b and p); tested against ``marchenko_pastur_threshold`` under the interpreter.
-FUSED_THRESHOLD = False
+#: launches (20.6 ms of device time in dwidenoise's mode, fifth session's profile). Measured on the H200
+#: (sixth session, suite part b): dwidenoise's mode 181 -> 160 ms host to host alone, 142 -> 123 ms with the
+#: 16-lane projector launch; same ranks and settled windows. False: ``marchenko_pastur_threshold`` on torch
+#: tensors (the reference; tests compare the two under the interpreter).
+FUSED_THRESHOLD = True
 
 
 def gram_precision(options, precision: str = "auto", mean_apart: bool = False) -> torch.dtype:

@@ -9,7 +9,7 @@ variance and, given the eigenvalues' uncertainty ``delta``, whether the rank is 
 Same arithmetic as ``marchenko_pastur_threshold`` (which stays the reference and the CPU's code), in float64;
 the cumulative sum is a scan here and a sequential sum there, so a window whose test is a tie to the last
 rounding may land on the other side (the settling test flags such windows anyway when ``delta`` > 0).
-Opt-in (``pipeline.FUSED_THRESHOLD``) until timed on a GPU.
+The default (``pipeline.FUSED_THRESHOLD``): dwidenoise's mode 181 -> 160 ms on the H200 (sixth session).
 """
 
 from __future__ import annotations

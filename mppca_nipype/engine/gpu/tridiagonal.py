@@ -37,12 +37,13 @@ MAX_ORDER = 128
 #: matrices: 2 solves leave 1e-4 of projector error on clustered spectra, 3 leave 6e-7, at equal time).
 INVERSE_ITERATIONS = 3
 #: Lanes of a first projector launch that serves the matrices whose rank is at most this many (16 or more,
-#: the smallest ``tl.dot`` operand; 0: one launch with a lane for every eigenvalue, the measured default).
-#: The inverse iteration, its orthonormalisation and the back-transform then work on (BLOCK, LANES)
-#: instead of (BLOCK, BLOCK) (4x less at m = 48), a second launch takes the higher ranks. MP-PCA's ranks are
-#: mostly far below 16 (dwidenoise's mode: 1-6), and the projector kernel is 56 of the 161 ms of that
-#: mode's device time (fifth session). Written and tested under the interpreter; to be timed (gpu_suite w).
-PROJECTOR_LANES = 0
+#: the smallest ``tl.dot`` operand; 0: one launch with a lane for every eigenvalue). The inverse iteration,
+#: its orthonormalisation and the back-transform then work on (BLOCK, LANES) instead of (BLOCK, BLOCK) (4x
+#: less at m = 48), a second launch takes the higher ranks. MP-PCA's ranks are mostly far below 16
+#: (dwidenoise's mode: 1-6). Measured on the H200 (sixth session, suite parts w and b): 12,600 matrices
+#: 48 x 48, float32, 1 warp: 2.03 -> 0.65 ms (m = 64: 2.39 -> 0.96; float64: 4.79 -> 1.98); dwidenoise's mode
+#: 96x96x48x48: 181 -> 142 ms host to host, projectors equal to one launch's within 1e-5.
+PROJECTOR_LANES = 16
 
 
 def _bisections(dtype) -> int:
