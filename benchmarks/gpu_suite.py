@@ -276,17 +276,42 @@ def eigen_step(count=12_600):
     return results
 
 
-def profile_seed():
+def timeline_gaps(path):
+    """From a chrome trace of one call: the call's span, the device's busy time (kernels and copies, merged),
+    and the idle gaps on the device longer than 50 us, with the host ops running during each (ms)."""
+    import json as json_module
+
+    with open(path) as f:
+        events = [e for e in json_module.load(f)["traceEvents"] if e.get("ph") == "X"]
+    device = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy",
+                                                                                          "gpu_memset"))
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")]
+    start = min(e["ts"] for e in host)
+    end = max(max(e["ts"] + e["dur"] for e in host), device[-1][1])
+    busy, gaps, last = 0.0, [], start
+    for a, b in device:
+        if a > last + 50:
+            during = sorted({e["name"][:60] for e in host if e["ts"] < a and e["ts"] + e["dur"] > last})
+            gaps.append(dict(at_ms=(last - start) / 1e3, ms=(a - last) / 1e3, host=during[:12]))
+        busy += max(0.0, b - max(a, last))
+        last = max(last, b)
+    if end > last + 50:
+        gaps.append(dict(at_ms=(last - start) / 1e3, ms=(end - last) / 1e3, host=["(after the device's last work)"]))
+    return dict(span_ms=(end - start) / 1e3, device_busy_ms=busy / 1e3, gaps=gaps)
+
+
+def profile_seed(trace_dir=None):
     """Where the seed's problem (per eigensolver) and dwidenoise's mode spend their time on the device:
     ``denoise_gpu`` under torch's profiler, device time summed by kernel into stages (Gram, eigen step,
     estimator and projector glue, reconstruction, copies); and the host-to-host wall time of the same call."""
     from torch.profiler import ProfilerActivity, profile
 
     seed, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
-    stages = (("gram", ("_gram_kernel",)), ("eigen: tridiagonal values", ("_values_kernel",)),
+    stages = (("gram", ("_gram_kernel", "_outer_sums_kernel", "_window_sums_kernel")),
+              ("threshold", ("_threshold_kernel",)), ("eigen: tridiagonal values", ("_values_kernel",)),
               ("eigen: tridiagonal projector", ("_projector_kernel",)),
               ("eigen: XsyevBatched", ("syev", "sytrd", "steqr", "stedc", "orm", "jacobi", "batched")),
-              ("reconstruct", ("_reconstruct",)), ("copies", ("Memcpy", "memcpy")))
+              ("reconstruct", ("_reconstruct", "_window_spread_kernel", "_apply_kernel")), ("copies", ("Memcpy", "memcpy")))
     result = {}
     for name, options, eigensolver in (("tridiagonal", SEED_OPTIONS, "tridiagonal"), ("xsyev", SEED_OPTIONS, "xsyev"),
                                        ("dwidenoise mode, auto", DWIDENOISE_OPTIONS, "auto")):
@@ -296,6 +321,12 @@ def profile_seed():
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run()
             torch.cuda.synchronize()
+        if name == "tridiagonal" and trace_dir:  # the host and the device on one timeline
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as timeline:
+                run()
+                torch.cuda.synchronize()
+            timeline.export_chrome_trace(os.path.join(trace_dir, "seed_timeline.json"))
+            result["seed_timeline"] = timeline_gaps(os.path.join(trace_dir, "seed_timeline.json"))
         totals, kernels = {}, []
         for event in prof.key_averages():
             cuda_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
@@ -370,7 +401,8 @@ def seed_ladder(rows, skip_torch_eigh):
         ("fused kernels + XsyevBatched, batch 2048 (article's final step)",
          dict(path="fused", max_batch=2048, eigensolver="xsyev"), 5),
         ("ours: denoise_gpu with XsyevBatched", dict(eigensolver="xsyev"), 5),
-        ("ours: denoise_gpu (tridiagonal eigensolver, batch from free memory)", dict(), 5),
+        ("ours: denoise_gpu, fused kernels (no box sums)", dict(path="fused"), 5),
+        ("ours: denoise_gpu (box sums, tridiagonal eigensolver, batch from free memory)", dict(), 5),
     ]
     for name, kwargs, repeats in variants:
         if skip_torch_eigh and kwargs.get("eigensolver") == "torch":
@@ -775,6 +807,65 @@ def dot_precisions(rows):
     return result
 
 
+def box_sums(rows):
+    """(x) issue 5: the box sums (``boxsums``: the Gram and reconstruction of a whole grid of windows by
+    separable sums of each voxel's outer products) against the fused kernels on the seed's problem: each
+    alone (best of 10) with each tile-product precision, the Gram's error against the fused float64 Gram,
+    the accumulated sums against the fused kernel's for the same projectors; then ``denoise_gpu`` end to end
+    (auto = box sums vs path "fused"), checked against the GPU's float64 run."""
+    from mppca_nipype.engine.gpu import boxsums, kernels
+    from mppca_nipype.engine.gpu.pipeline import plan_slabs
+
+    noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
+    reference, reference_rank = finish(denoise_gpu(data, finite, plan, options, precision="float64"), data.shape)
+    volume = torch.from_numpy(data.reshape(-1, data.shape[3])).cuda()
+    finite_rows = torch.from_numpy(finite.ravel().astype(np.float32)).cuda()
+    base = torch.from_numpy(plan.window_base()).cuda()
+    offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).cuda()
+    gram64, _, _ = kernels.gram(volume, finite_rows, base, offsets, demean="voxel", dtype=torch.float64)
+    n, m = len(base), data.shape[3]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    projector = torch.randn((n, m, m), device="cuda", generator=generator) / m
+    weight = torch.rand(n, device="cuda", generator=generator) + 0.5
+    fused_sums = [torch.zeros((volume.shape[0], m), device="cuda")] + [torch.zeros(volume.shape[0], device="cuda")
+                                                                          for _ in range(3)]
+    kernels.reconstruct_accumulate(volume, finite_rows, base, offsets, projector, weight, weight, weight,
+                                   *fused_sums, demean="voxel")
+    result = dict(fused=dict(
+        gram_ms=best_of(lambda: kernels.gram(volume, finite_rows, base, offsets, demean="voxel"), repeats=10)[0] * 1e3,
+        reconstruct_ms=best_of(lambda: kernels.reconstruct_accumulate(
+            volume, finite_rows, base, offsets, projector, weight, weight, weight,
+            *[torch.zeros_like(x) for x in fused_sums], demean="voxel"), repeats=10)[0] * 1e3))
+    slab = plan_slabs(plan, data.shape[0])[0]
+    for outer in kernels.DOT_PRECISIONS:
+        for apply in kernels.DOT_PRECISIONS:
+            box = boxsums.BoxSums(volume, plan, slab, dict(outer=outer, apply=apply))
+            gram_seconds, gram, _ = best_of(box.gram, repeats=10)
+            box.add_windows(slice(0, n), projector, weight, weight, weight)
+            sums = [torch.zeros_like(x) for x in fused_sums]
+            box.accumulate(*sums)
+            accumulate_seconds, _, peak = best_of(lambda: box.accumulate(*[torch.zeros_like(x) for x in fused_sums]),
+                                                  repeats=10)
+            gram_error = float(((gram.double() - gram64).norm(dim=(1, 2)) / gram64.norm(dim=(1, 2))).max())
+            sums_error = [float((a - b).norm() / b.norm()) for a, b in zip(sums, fused_sums)]
+            result[f"outer {outer}, apply {apply}"] = dict(
+                gram_ms=gram_seconds * 1e3, accumulate_ms=accumulate_seconds * 1e3, gram_rel_error_max=gram_error,
+                sums_rel_to_fused=sums_error, peak_gib=peak / 2**30)
+            print(outer, apply, result[f"outer {outer}, apply {apply}"], flush=True)
+    print("fused", result["fused"], flush=True)
+    for name, path in (("box sums (auto)", "auto"), ("fused kernels", "fused")):
+        seconds, out, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, path=path), repeats=7)
+        denoised, rank = finish(out, data.shape)
+        result[f"end to end, {name}"] = dict(ms=seconds * 1e3, gram_path=out.info["gram_path"],
+                                             n_settled=out.info["n_settled_in_float64"],
+                                             rank_map_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3)))
+        rows.append(dict(problem="seed", variant=f"ours, {name}", ms=seconds * 1e3,
+                         **errors(denoised, reference, truth), peak_gib=peak / 2**30))
+        print(rows[-1], result[f"end to end, {name}"], flush=True)
+    return result
+
+
 def host_pieces():
     """(h) issue 5: the host side of ``denoise_gpu`` on the seed's problem, piece by piece (ms, best of 5):
     page-locking the caller's (V, T) array in place and undoing it (and the undoing alone), its upload from
@@ -1014,7 +1105,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
     parser.add_argument("--only", default="abcdev",
-                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w, q, g, h")
+                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w, q, g, h, x")
     parser.add_argument("--no-cpu", action="store_true",
                         help="(c) without our CPU path (the GPU's float64 run is the reference)")
     args = parser.parse_args()
@@ -1046,7 +1137,8 @@ def main():
     part("e", eigensolver_alone, "xsyev_batched_alone_ms")
     part("e", eigensolvers_on_large_matrices, "eigensolver_ms_per_matrix")
     part("5", eigen_step, "eigen_step")
-    part("p", profile_seed, "profile_seed")
+    part("x", lambda: box_sums(rows), "box_sums")
+    part("p", lambda: profile_seed(args.out), "profile_seed")
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))
     part("w", tridiagonal_warps, "tridiagonal_warps")

@@ -45,8 +45,8 @@ def recorded_launches(call):
     return launches
 
 
-def build(kernel, values, options, capability):
-    """Compile one recorded launch for ``capability`` (e.g. 90)."""
+def variant(kernel, values):
+    """The signature and compile-time constants Triton specialises ``kernel`` on for these arguments."""
     signature, constants = {}, {}
     for param in kernel.params:
         value = values[param.name]
@@ -56,6 +56,12 @@ def build(kernel, values, options, capability):
             signature[param.name] = POINTER_TYPES[value.dtype]
         else:
             signature[param.name] = "i64" if abs(int(value)) >= 2**31 else "i32"
+    return signature, constants
+
+
+def build(kernel, values, options, capability):
+    """Compile one recorded launch for ``capability`` (e.g. 90)."""
+    signature, constants = variant(kernel, values)
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
@@ -64,7 +70,8 @@ def cases():
     """(name, call) for each kernel variant the pipeline launches: every demeaning, tile-product precision
     and Gram precision of the fused kernels; the tridiagonal kernels in float32 and float64, with and
     without the rank-one term, with one projector launch and with a 16-lane one, at m = 48 and 128; the
-    threshold kernel for each estimator, with and without the settling test."""
+    threshold kernel for each estimator, with and without the settling test; the box sums' kernels for each
+    tile-product precision."""
     from mppca_nipype.engine.gpu import kernels
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
@@ -102,6 +109,21 @@ def cases():
             solver.projector(torch.ones(batch, dtype=torch.int32))
         yield f"tridiagonal m={m} {str(dtype)[6:]} rank_one={rank_one} lanes={lanes}", eigen_step
     from mppca_nipype.engine.gpu.threshold import threshold_on_device
+    from mppca_nipype.engine.gpu import boxsums
+    from mppca_nipype.engine.gpu.pipeline import plan_slabs
+    from mppca_nipype.engine.patches import plan_patches
+
+    shape = (14, 12, 20)
+    everywhere = torch.ones(shape, dtype=torch.bool).numpy()
+    plan = plan_patches(shape, (11, 11, 11), 3, everywhere, everywhere)
+    box_volume = torch.zeros((14 * 12 * 20, n_volumes))
+    box_sums = (torch.zeros((14 * 12 * 20, n_volumes)),) + tuple(torch.zeros(14 * 12 * 20) for _ in range(3))
+    for dot in kernels.DOT_PRECISIONS:
+        def box(dot=dot):
+            sums = boxsums.BoxSums(box_volume, plan, plan_slabs(plan, 14)[0], dict(outer=dot, apply=dot))
+            sums.gram()
+            sums.accumulate(*box_sums)
+        yield f"box sums {dot}", box
 
     values, voxels = torch.zeros((batch, 48), dtype=torch.float64), torch.full((batch,), 343)
     for estimator in ("exp2", "exp1"):
@@ -113,9 +135,13 @@ def cases():
 def main(capabilities):
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("TRITON_INTERPRET=1 replaces the kernels by the interpreter; unset it")
-    failed = 0
+    failed, seen = 0, set()
     for name, call in cases():
         for kernel, values, options in recorded_launches(call):
+            key = (kernel.__name__, repr(variant(kernel, values)), repr(sorted(options.items())))
+            if key in seen:  # launched again with the same specialisation: the same build
+                continue
+            seen.add(key)
             for capability in capabilities:
                 label = f"{name}: {kernel.__name__} sm_{capability} {options}"
                 try:

@@ -278,7 +278,8 @@ def test_pipeline_matches_cpu_backend(kernels, aggregation, stride, demean):
     noisy, _ = low_rank_phantom((6, 5, 5) if stride == 1 else (7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=stride)
     cpu, gpu, mask = run_both(noisy, extent=3, stride=stride, estimator="exp2", aggregation=aggregation,
                               demean=demean)
-    assert gpu.info["gram_path"] == "fused"
+    # voxel demeaning on a full grid of windows takes the box sums, everything else here the fused kernels
+    assert gpu.info["gram_path"] == ("box" if demean == "voxel" and aggregation != "center" else "fused")
     assert gpu.info["gram_precision"] == ("float64" if demean == "none" else "float32")
     assert_same_denoising(cpu, gpu, mask)
 
@@ -555,6 +556,105 @@ def test_slabs_with_a_halo_give_what_one_slab_gives(kernels, path, aggregation, 
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     served = whole.weight > 0
     assert served.sum() >= mask.sum() - 1 and np.abs(whole.image[served]).min() > 100  # real values compared
+
+
+@interpreted
+@pytest.mark.parametrize("shape, n_volumes, extent, stride", [((9, 8, 11), 7, (5, 3, 5), 2),
+                                                               ((7, 10, 6), 20, (3, 3, 3), 3),
+                                                               ((6, 7, 13), 33, (3, 5, 7), 4)])
+def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, stride):
+    """Each window's Gram of its voxel-centred patch, and the sums of w (X_c P + mean), w, w sigma, w rank
+    over the windows holding each voxel, against float64 loops over the windows (awkward T, extents, and a
+    stride above the extent on one axis)."""
+    from mppca_nipype.engine.gpu.boxsums import BoxSums
+    from mppca_nipype.engine.gpu.pipeline import plan_slabs
+
+    rng = np.random.default_rng(n_volumes)
+    data = (100 + 10 * rng.standard_normal(shape + (n_volumes,))).astype(np.float32)
+    everywhere = np.ones(shape, bool)
+    plan = plan_patches(shape, extent, stride, everywhere, everywhere)
+    volume = data.reshape(-1, n_volumes).astype(np.float64)
+    patches = volume[plan.window_base()[:, None] + plan.voxel_offsets[None, :]]
+    means = patches.mean(axis=2, keepdims=True)
+    patches -= means
+    box = BoxSums(torch.from_numpy(data.reshape(-1, n_volumes).copy()), plan, plan_slabs(plan, shape[0])[0])
+    gram = box.gram().numpy()
+    expected = patches.transpose(0, 2, 1) @ patches
+    assert np.abs(gram - expected).max() < 1e-6 * np.abs(expected).max()
+
+    n_windows = plan.n_windows
+    projector = rng.standard_normal((n_windows, n_volumes, n_volumes))
+    weight, sigma, rank = rng.uniform(0.5, 2, n_windows), rng.uniform(1, 2, n_windows), rng.integers(0, 5, n_windows)
+    box.add_windows(slice(0, n_windows), *as_tensors(*(a.astype(np.float32) for a in (projector, weight, sigma, rank))))
+    sums = [torch.zeros((len(volume), n_volumes))] + [torch.zeros(len(volume)) for _ in range(3)]
+    box.accumulate(*sums)
+    want = [np.zeros((len(volume), n_volumes))] + [np.zeros(len(volume)) for _ in range(3)]
+    voxels = plan.window_base()[:, None] + plan.voxel_offsets[None, :]
+    restored = (patches @ projector + means) * weight[:, None, None]
+    for k in range(n_windows):
+        for target, value in zip(want, (restored[k], weight[k], weight[k] * sigma[k], weight[k] * rank[k])):
+            target[voxels[k]] += value
+    for got, expected in zip(sums, want):
+        assert np.abs(got.numpy() - expected).max() < 1e-5 * np.abs(expected).max()
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, planes", [("weighted", None), ("uniform", 2)])
+def test_box_path_gives_the_fused_kernels_result(kernels, monkeypatch, aggregation, planes):
+    """Voxel demeaning on a full grid: the box sums (``auto``'s choice; in slabs too) denoise as the fused
+    kernels do, the windows the settling pass redoes included (a wide slack makes it redo some)."""
+    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu, plan_slabs
+
+    monkeypatch.setattr(pipeline, "SETTLE_SLACK", 3e3)
+    monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 3e3)
+
+    noisy, _ = low_rank_phantom((9, 7, 8), n_volumes=15, rank=3, sigma=5.0, seed=12)
+    data, mask, finite, plan, options = prepared(noisy, extent=(5, 3, 5), stride=2, estimator="exp2",
+                                                 aggregation=aggregation, demean="voxel")
+    box = denoise_gpu(data, finite, plan, options, device="cpu", planes=planes)
+    fused = denoise_gpu(data, finite, plan, options, device="cpu", path="fused")
+    assert box.info["gram_path"] == "box" and fused.info["gram_path"] == "fused"
+    assert box.info["n_slabs"] == len(plan_slabs(plan, planes or 9)) and box.info["n_settled_in_float64"] > 0
+    for got, want in ((box.image, fused.image), (box.weight, fused.weight), (box.sigma, fused.sigma),
+                      (box.rank, fused.rank)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert np.abs(box.image).min() > 100  # real values compared
+
+
+def test_box_sums_apply_only_to_voxel_demeaning_on_a_full_grid_of_finite_voxels():
+    from mppca_nipype.engine.gpu.boxsums import MAX_VOLUMES, applies
+
+    def case(shape=(12, 10, 9), n_volumes=20, mask=None, finite=None, fused=True, dtype=torch.float32, **options):
+        options = dict(dict(extent=5, stride=2, estimator="exp2", demean="voxel", aggregation="weighted"), **options)
+        resolved = resolve_options(shape + (n_volumes,), **options)
+        everywhere = np.ones(shape, bool)
+        finite = everywhere if finite is None else finite
+        plan = plan_patches(shape, resolved.extent, resolved.stride, everywhere if mask is None else mask, finite)
+        return applies(plan, resolved, finite, n_volumes, dtype, fused)
+
+    assert case() and case(aggregation="uniform") and case(n_volumes=MAX_VOLUMES)
+    assert not case(demean="volume") and not case(demean="none") and not case(aggregation="center", stride=1)
+    assert not case(n_volumes=MAX_VOLUMES + 1) and not case(dtype=torch.float64) and not case(fused=False)
+    corner = np.zeros((12, 10, 9), bool)
+    corner[:3, :3, :3] = True
+    assert not case(mask=corner)  # windows far from the mask do not run: not a full grid
+    nan = np.ones((12, 10, 9), bool)
+    nan[5, 5, 5] = False
+    assert not case(finite=nan)
+
+
+@interpreted
+def test_box_path_asked_for_where_it_does_not_apply_is_refused(kernels):
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=2)
+    data, mask, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2", aggregation="weighted",
+                                                 demean="volume")
+    with pytest.raises(ValueError, match="the box sums take voxel demeaning"):
+        denoise_gpu(data, finite, plan, options, device="cpu", path="box")
+    with pytest.raises(ValueError, match="path must be one of"):
+        denoise_gpu(data, finite, plan, options, device="cpu", path="boxes")
 
 
 class _SolverThatFailsSomeWindows(_FaultySolver):

@@ -3,7 +3,9 @@ download. Same contract and same function as ``cpu.denoise_cpu``.
 
 Per batch, with no host synchronisation:
 
-1. Gram matrices of the windows: the fused Triton kernel (time side, n >= T, T up to
+1. Gram matrices of the windows: with voxel demeaning on a full grid of windows (stride > 1, every voxel
+   finite), the whole slab's by separable box sums once (``boxsums``: each voxel's outer product summed along
+   z, then y, then x); else the fused Triton kernel (time side, n >= T, T up to
    ``kernels.MAX_FUSED_VOLUMES``), or for other shapes (voxel side when n < T, long series) the patches
    gathered into a (B, n, T) batch and multiplied by torch (cuBLAS, IEEE float32/float64).
 2. The eigenvalues: ``tridiagonal.TridiagonalEigh`` (Triton: Householder + bisection; then, once the
@@ -14,7 +16,8 @@ Per batch, with no host synchronisation:
    ``FUSED_THRESHOLD``, the same decision and the settling test in one kernel, ``threshold``), the
    solver's projector onto the kept eigenvectors, ``aggregation_weights`` times the window's multiplicity.
 4. Reconstruction added into (V, T) image and (V,) weight/sigma/rank sums on the device (atomics), or for
-   ``center`` each centre row written to its voxel.
+   ``center`` each centre row written to its voxel; with the box sums, the weighted projectors of the whole
+   slab spread back over x and y and applied to each voxel once, after the last batch (no atomics).
 
 Demeaning: ``voxel`` removes each voxel's temporal mean (T - 1 volumes go to the estimator); ``volume``
 removes the patch's mean time course over its finite voxels (n_eff - 1 voxels go to the estimator; the
@@ -66,7 +69,7 @@ import numpy as np
 import torch
 
 from ..estimators import aggregation_weights, marchenko_pastur_threshold
-from . import kernels
+from . import boxsums, kernels
 from .eigh import BatchedEigh, ProjectorFromVectors
 from .threshold import threshold_on_device
 from .tridiagonal import MAX_ORDER as TRIDIAGONAL_MAX_ORDER, TridiagonalEigh
@@ -74,6 +77,8 @@ from .tridiagonal import MAX_ORDER as TRIDIAGONAL_MAX_ORDER, TridiagonalEigh
 #: The eigensolvers ``denoise_gpu(eigensolver=...)`` takes ("auto": ``eigensolver_for``).
 EIGENSOLVERS = ("auto", "tridiagonal", "xsyev", "torch")
 
+#: How the Gram and reconstruction may be computed (``denoise_gpu(path=...)``).
+PATHS = ("auto", "box", "fused", "gather")
 #: Upper bound on windows per batch (beyond it XsyevBatched gains nothing and workspaces grow linearly).
 MAX_BATCH = 16384
 #: Share of the free device memory that one batch's buffers may take.
@@ -271,7 +276,9 @@ class PageLockedUpload:
 
     def release(self, wait=True):
         """Unlock the locked pieces, once the copies queued so far are done (``wait``; without it the caller
-        has made sure that no copy is still reading them)."""
+        has made sure that no copy is still reading them). ``cudaHostUnregister`` itself waits until the
+        device is idle (sixth session's timeline: the first unlock returned when the first pass ended); on a
+        thread of its own the seed's run took 19.2 vs 19.4 ms, so it stays here."""
         if wait and self.done is not None:
             self.done.synchronize()
         for piece, locked in enumerate(self.locked):
@@ -318,6 +325,14 @@ def slab_planes(device, plan, n_volumes: int) -> int:
         return nx
     per_plane = ny * nz * (12 * n_volumes + 24)  # and the next slab's series and finite rows
     return max(1, int(budget // per_plane) - (plan.extent[0] - 1))
+
+
+def _box_fits(device, plan, n_volumes, slab) -> bool:
+    """Whether the box sums' scratch for ``slab`` fits in ``MEMORY_SHARE`` of the free device memory."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return boxsums.scratch_bytes(plan, n_volumes, slab.done - slab.first) <= MEMORY_SHARE * free
 
 
 def _gather_gram(volume, finite, window_base, voxel_offsets, demean, dtype, time_side):
@@ -412,13 +427,16 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
 
     Parameters beyond ``cpu.denoise_cpu``'s (all optional; for tests and benchmarks):
     ``device`` (default "cuda"; "cpu" runs the same kernels under TRITON_INTERPRET=1), ``path``
-    ("auto", "fused" or "gather": how the Gram and reconstruction are computed), ``eigensolver`` (one of
+    (one of ``PATHS``: how the first pass's Gram and reconstruction are computed; "auto": the box sums where
+    ``boxsums.applies`` and their scratch fits, else the fused kernels where they fit, else gathered), ``eigensolver`` (one of
     ``EIGENSOLVERS``), ``precision`` ("auto", "float32", "float64": of the Gram and eigensolver), ``max_batch``,
     ``planes`` (x-planes of window corners per slab; default from the free memory).
     ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process.
     """
     from .. import PatchSums
 
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, not {path!r}")
     started = time.perf_counter()
     device = torch.device(device or "cuda")
     if device.type == "cuda":
@@ -433,6 +451,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=on_gpu)
                for shape in ((len(host_volume), n_volumes),) + ((len(host_volume),),) * 3]
     copies = torch.cuda.Stream(device) if on_gpu and len(slabs) > 1 else None
+    every_voxel_finite = bool(host_finite.all())
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
 
     def upload(slab):
@@ -440,6 +459,8 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
         slabs, with the event that says the copy is done)."""
         rows = slice(slab.first * plane, slab.stop * plane)
         finite_rows = torch.from_numpy(host_finite[rows])
+        if every_voxel_finite:  # filled on the device: no pageable copy queued behind the series' copies
+            finite_rows = torch.ones(len(finite_rows), dtype=torch.float32, device=device)
         if not on_gpu:
             return (torch.from_numpy(host_volume[rows]).to(device), finite_rows.to(device)), None
         stream = copies or torch.cuda.current_stream(device)
@@ -496,7 +517,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     return PatchSums(image, weight, sigma, rank, normalized=normalize,
                      info=dict(backend="gpu", device=device_name, eigensolver=run.solver.backend,
                                gram_precision=str(run.dtype).replace("torch.", ""),
-                               gram_path="fused" if run.fused else "gather", batch=run.step,
+                               gram_path=run.gram_path, batch=run.step,
                                out_of_memory_retries=run.retries, n_slabs=len(slabs),
                                n_settled_in_float64=run.n_settled, n_redone_on_cpu=run.n_redone_on_cpu,
                                eigenvalues_refined=bool(run.refine), mean_taken_apart=run.mean_apart,
@@ -559,6 +580,13 @@ class _PlanRun:
         self.voxel_offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).to(device)
         self.step, self.retries, self.n_settled, self.n_redone_on_cpu = 0, 0, 0, 0
         self.fused = None
+        self.box = None  # whether the first pass takes the box sums (``boxsums``), set with the Gram path
+        self.n_box_slabs = 0
+
+    @property
+    def gram_path(self):
+        """How the first pass's Gram matrices were computed: "box" (in some slab), "fused" or "gather"."""
+        return "box" if self.n_box_slabs else "fused" if self.fused else "gather"
 
     def slab(self, slab, volume, finite, sums, report, data, finite_host, before_waiting=None):
         """All the windows of one slab: a first pass in the Gram precision, then (float32) the windows it
@@ -566,7 +594,7 @@ class _PlanRun:
         ``before_waiting()``, if given, runs once the first pass is queued, before the host waits for it."""
         plan, n_volumes, n_voxels = self.plan, volume.shape[1], self.plan.patch_size
         if self.fused is None:
-            self.fused = self.path == "fused" or (self.path == "auto"
+            self.fused = self.path in ("fused", "box") or (self.path == "auto"
                                                   and kernels.fused_fits(n_voxels, n_volumes, self.dtype))
             if self.fused and not kernels.fused_fits(n_voxels, n_volumes, self.dtype):
                 raise ValueError(f"the fused kernels do not take n={n_voxels}, T={n_volumes} in {self.dtype}")
@@ -576,11 +604,21 @@ class _PlanRun:
             self.refine = refine_block(m) if refines else 0
             self.mean_apart = (self.fused and self.demean == "none" and self.dtype == torch.float32
                                and isinstance(self.solver, TridiagonalEigh))
+            self.box = (self.path in ("auto", "box") and self.fused
+                        and boxsums.applies(plan, self.options, finite_host, n_volumes, self.dtype, self.fused))
+            if self.path == "box" and not self.box:
+                raise ValueError("the box sums take voxel demeaning, weighted or uniform aggregation, a float32 "
+                                 f"first pass, T <= {boxsums.MAX_VOLUMES}, stride > 1 with every window active "
+                                 "and every voxel finite")
         w0, w1 = slab.windows.start, slab.windows.stop
         if w1 == w0:
             return
         row0 = slab.first * plan.spatial_shape[1] * plan.spatial_shape[2]
-        context = _SlabContext(self, slab, volume, finite, sums, row0)
+        box = None
+        if self.box and (self.path == "box" or _box_fits(self.device, plan, n_volumes, slab)):
+            box = boxsums.BoxSums(volume, plan, slab)
+            self.n_box_slabs += 1
+        context = _SlabContext(self, slab, volume, finite, sums, row0, box)
         step = self.step or batch_size(self.device, w1 - w0, n_voxels, n_volumes, self.dtype, self.fused,
                                        self.solver, self.max_batch, self.refine)
         verdicts, self.step, retries = run_in_batches(
@@ -588,6 +626,9 @@ class _PlanRun:
                                                       self.refine),
             on_batch=report, on_retry=self.solver.release_workspaces)
         self.retries += retries
+        if box is not None:  # the first pass's reconstruction, all at once
+            box.accumulate(*sums.tensors())
+            context.box = context.box_gram = None
 
         # one look at the verdicts, after all the work is queued
         if before_waiting is not None:
@@ -614,11 +655,14 @@ class _PlanRun:
 
 
 class _SlabContext:
-    """One slab's windows on the device: their corner rows within the slab, multiplicities, centres."""
+    """One slab's windows on the device: their corner rows within the slab, multiplicities, centres; and with
+    ``box`` (``boxsums.BoxSums``) the first pass's Gram matrices of all of them."""
 
-    def __init__(self, run, slab, volume, finite, sums, row0):
+    def __init__(self, run, slab, volume, finite, sums, row0, box=None):
         device, plan = run.device, run.plan
         self.run, self.volume, self.finite, self.sums = run, volume, finite, sums
+        self.box = box
+        self.box_gram = box.gram() if box is not None else None
         windows = slab.windows
         self.base = torch.from_numpy(run.window_base[windows] - row0).to(device)
         self.multiplicity = torch.from_numpy(plan.multiplicity[windows].astype(np.float64)).to(device)
@@ -661,7 +705,12 @@ class _SlabContext:
         # n mu mu^T + (the volume-demeaned Gram), exactly; the kernels take the second and the rank-one term
         # apart (``TridiagonalEigh.values(rank_one=...)``), so the patch's mean costs no precision
         rank_one = run.mean_apart and dtype == torch.float32
-        if fused:
+        box = self.box if isinstance(windows, slice) and dtype == torch.float32 else None  # first pass only
+        if box is not None:
+            gram = self.box_gram[windows].clone()  # the solver overwrites it; a retried batch needs it whole
+            n_took_part = torch.full((len(gram),), n_voxels, dtype=torch.int32, device=device)
+            volume_mean = None
+        elif fused:
             gram, n_took_part, volume_mean = kernels.gram(volume, finite, base, run.voxel_offsets,
                                                           demean="volume" if rank_one else demean, dtype=dtype)
         else:
@@ -694,7 +743,9 @@ class _SlabContext:
         patch_sigma = torch.sqrt(sigma2).to(torch.float32)
         patch_rank = patch_rank.to(torch.float32)
 
-        if fused:
+        if box is not None:
+            box.add_windows(windows, projector.to(torch.float32), patch_weight, patch_sigma, patch_rank)
+        elif fused:
             projector = projector.to(torch.float32).contiguous()
             if run.center:
                 kernels.reconstruct_centres(volume, centres[0], centres[1], projector, patch_weight, patch_sigma,

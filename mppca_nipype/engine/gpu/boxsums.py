@@ -1,0 +1,243 @@
+"""Gram matrices and reconstruction of a whole grid of windows by separable box sums (voxel demeaning).
+
+With voxel demeaning, a window's Gram is a sum over its voxels of each voxel's own outer product,
+G_W = sum_{v in W} x_v x_v^T (x_v: the voxel's centred time course), and its reconstruction adds, to each
+voxel it holds, w_W x_v P_W + w_W m_v (m_v: the voxel's mean). When the windows are boxes on a grid (stride
+> 1, every window active: ``applies``), both sums are separable along the three axes. The fused kernels
+(``kernels.gram``, ``kernels.reconstruct_accumulate``) instead compute each window's X^T X and X P from its
+n voxels: 2 n T^2 multiply-adds per window each, ~49 windows over every voxel at the seed's 11^3 stride 3, and
+every output element added with an atomic.
+
+Here, for windows at corners (a, b, c) of extent (ex, ey, ez) on a (X, Y, Z) slab of rows:
+
+* Gram: ``_outer_sums_kernel`` sums the outer products of the ez voxels of each z-window of each (x, y) line
+  (one ``tl.dot`` per line and window, the voxel's mean removed in registers): S1 (X, Y, C, T, T); then
+  ``_window_sums_kernel`` sums ey consecutive y-rows (S2 (X, B, C, T, T)) and ex consecutive x-planes
+  (G (A, B, C, T, T): the windows in the plan's order). Each voxel's outer product is formed once per
+  z-window holding it (~ez / stride times), not once per window (~(ez / stride)^3 times).
+* Reconstruction: the adjoint. The projectors scaled by their window's weight, Q (A, B, C, T, T), are spread
+  back over x (``_window_spread_kernel``: each plane sums the windows holding it) and over y, giving
+  R (X, Y, C, T, T); ``_apply_kernel`` then adds to each voxel x_v (sum over its z-windows c of R[x, y, c])
+  + m_v sum_W w_W. No atomics: every voxel is written by one program. The windows' (w, w sigma, w rank)
+  go through the same spreads.
+
+Float32 throughout: the sums are in a tree (ez, then ey, then ex terms) rather than one running sum, and
+the centring happens per voxel before any product, as in the fused Gram kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..patches import window_positions
+from . import kernels
+
+#: Largest T the box sums take (their T x T tiles, and the per-window buffers of T^2 floats per line).
+MAX_VOLUMES = 64
+#: Elements of the T x T blocks each program of the sum and spread kernels handles.
+BLOCK_Q = 1024
+#: Voxels along z per program of ``_apply_kernel``.
+BLOCK_Z = 16
+#: How ``tl.dot`` multiplies in the outer-product and apply kernels (as ``kernels.DOT_PRECISIONS``). Measured
+#: on the H200 (suite part x, the seed's 12,600 windows): Gram 1.26 ms with "ieee" outer products vs 1.41
+#: with "tf32x3"; reconstruction 2.17 ms with "ieee" vs 2.00 with "tf32x3"; the Gram 1.9e-6 from float64
+#: and the sums 1.2e-7 from the fused kernels' either way.
+DOT_PRECISION = dict(outer="ieee", apply="tf32x3")
+
+
+@triton.jit
+def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, n_windows, n_z: tl.constexpr, n_volumes: tl.constexpr,
+                       extent: tl.constexpr, DOT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    program = tl.program_id(0).to(tl.int64)  # the z-window varies fastest: neighbours share rows
+    window = program % n_windows
+    line = program // n_windows
+    z0 = tl.load(corner_ptr + window)
+    j = tl.arange(0, BLOCK_E)
+    t = tl.arange(0, BLOCK_T)
+    volume_valid = t < n_volumes
+    valid = (j < extent)[:, None] & volume_valid[None, :]
+    rows = line * n_z + z0 + j
+    x = tl.load(volume_ptr + rows[:, None] * n_volumes + t[None, :], mask=valid, other=0.0)
+    mean = tl.sum(x, axis=1) / n_volumes
+    x = tl.where(valid, x - mean[:, None], 0.0)
+    gram = tl.dot(tl.trans(x), x, input_precision=DOT)
+    out = out_ptr + (line * n_windows + window) * (n_volumes * n_volumes)
+    tl.store(out + t[:, None] * n_volumes + t[None, :], gram, mask=volume_valid[:, None] & volume_valid[None, :])
+
+
+@triton.jit
+def _window_sums_kernel(in_ptr, corner_ptr, out_ptr, n_rows, n_windows, width, extent: tl.constexpr,
+                        BLOCK_Q: tl.constexpr):
+    program = tl.program_id(0).to(tl.int64)  # the window varies fastest: neighbours share rows
+    window = program % n_windows
+    outer = program // n_windows
+    q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    valid = q < width
+    first = outer * n_rows + tl.load(corner_ptr + window)
+    total = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    for j in range(extent):
+        total += tl.load(in_ptr + (first + j) * width + q, mask=valid, other=0.0)
+    tl.store(out_ptr + (outer * n_windows + window) * width + q, total, mask=valid)
+
+
+@triton.jit
+def _window_spread_kernel(in_ptr, first_ptr, count_ptr, out_ptr, n_rows, n_windows, width,
+                          BLOCK_Q: tl.constexpr):
+    program = tl.program_id(0).to(tl.int64)
+    row = program % n_rows
+    outer = program // n_rows
+    q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    valid = q < width
+    first = outer * n_windows + tl.load(first_ptr + row)
+    count = tl.load(count_ptr + row)
+    total = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    for i in range(count):
+        total += tl.load(in_ptr + (first + i) * width + q, mask=valid, other=0.0)
+    tl.store(out_ptr + (outer * n_rows + row) * width + q, total, mask=valid)
+
+
+@triton.jit
+def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, weight_ptr, image_ptr,
+                  n_windows, n_z: tl.constexpr, n_volumes: tl.constexpr, extent: tl.constexpr,
+                  DOT: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_T: tl.constexpr):
+    program = tl.program_id(0).to(tl.int64)
+    n_blocks: tl.constexpr = (n_z + BLOCK_Z - 1) // BLOCK_Z
+    block = program % n_blocks
+    line = program // n_blocks
+    z = block * BLOCK_Z + tl.arange(0, BLOCK_Z)
+    t = tl.arange(0, BLOCK_T)
+    volume_valid = t < n_volumes
+    z_valid = z < n_z
+    valid = z_valid[:, None] & volume_valid[None, :]
+    rows = line * n_z + z
+    x = tl.load(volume_ptr + rows[:, None] * n_volumes + t[None, :], mask=valid, other=0.0)
+    mean = tl.sum(x, axis=1) / n_volumes
+    x = tl.where(valid, x - mean[:, None], 0.0)
+    restored = tl.zeros((BLOCK_Z, BLOCK_T), dtype=tl.float32)
+    tile = volume_valid[:, None] & volume_valid[None, :]
+    for window in range(tl.load(lowest_ptr + block), tl.load(highest_ptr + block)):
+        z0 = tl.load(corner_ptr + window)
+        inside = (z >= z0) & (z < z0 + extent)
+        spread = tl.load(spread_ptr + (line * n_windows + window) * (n_volumes * n_volumes)
+                         + t[:, None] * n_volumes + t[None, :], mask=tile, other=0.0)
+        restored = tl.dot(tl.where(inside[:, None], x, 0.0), spread, restored, input_precision=DOT)
+    weight = tl.load(weight_ptr + rows, mask=z_valid, other=0.0)
+    restored += mean[:, None] * weight[:, None]
+    image = image_ptr + rows[:, None] * n_volumes + t[None, :]
+    tl.store(image, tl.load(image, mask=valid, other=0.0) + restored, mask=valid)
+
+
+def applies(plan, options, finite, n_volumes, dtype, fused) -> bool:
+    """Whether a run's first pass can take the box sums: voxel demeaning, weighted or uniform aggregation,
+    the fused kernels' shapes in float32 with T <= ``MAX_VOLUMES``, a stride > 1 grid with every window
+    active, and every voxel finite (``finite``: the host's (X, Y, Z) flags)."""
+    grid = [len(window_positions(s, e, plan.stride)) for s, e in zip(plan.spatial_shape, plan.extent)]
+    return (options.demean == "voxel" and options.aggregation != "center" and fused and dtype == torch.float32
+            and n_volumes <= MAX_VOLUMES and plan.stride > 1 and plan.n_windows == int(np.prod(grid))
+            and bool(np.all(finite)))
+
+
+def scratch_bytes(plan, n_volumes, planes=None) -> int:
+    """Device memory the box sums of a slab of ``planes`` x-planes (default all) take beside the sums."""
+    nx, ny, nz = plan.spatial_shape
+    nx = min(nx, planes + plan.extent[0] - 1) if planes else nx
+    a, b, c = (len(window_positions(s, e, plan.stride)) for s, e in zip((nx, ny, nz), plan.extent))
+    lines = nx * ny * c + nx * b * c + 2 * a * b * c  # S1 (also R), S2 (also the x-spread), G, Q
+    return 4 * lines * n_volumes * n_volumes + 4 * 3 * nx * ny * nz
+
+
+def _cover(corners, extent, size):
+    """For each index 0..size-1 along an axis: the first window holding it and how many do (windows sorted)."""
+    index = np.arange(size)
+    first = np.searchsorted(corners + extent, index, side="right")
+    stop = np.searchsorted(corners, index, side="right")
+    return first.astype(np.int32), (stop - first).astype(np.int32)
+
+
+class BoxSums:
+    """One slab's windows (a full grid of corners) by box sums: ``gram`` (W, T, T) in the plan's window
+    order; then ``add_windows`` per batch (the weighted projectors and scalars), ``accumulate`` once."""
+
+    def __init__(self, volume, plan, slab, dot_precision=None):
+        dot_precision = dict(DOT_PRECISION, **(dot_precision or {}))
+        self.dot = {k: kernels._dot_precision("gram", v) for k, v in dot_precision.items()}
+        device = volume.device
+        _, ny, nz = plan.spatial_shape
+        nx = slab.stop - slab.first
+        self.shape, self.extent, self.volume = (nx, ny, nz), plan.extent, volume
+        self.n_volumes = volume.shape[1]
+        corner_x = np.unique(plan.window_corner[slab.windows, 0]) - slab.first
+        corners = [corner_x] + [window_positions(s, e, plan.stride) for s, e in zip((ny, nz), plan.extent[1:])]
+        self.grid = tuple(len(c) for c in corners)
+        if int(np.prod(self.grid)) != slab.windows.stop - slab.windows.start:
+            raise ValueError("the box sums take a slab whose windows are a full grid")
+        self.corners = [torch.from_numpy(c.astype(np.int32)).to(device) for c in corners]
+        covers = [_cover(c, e, s) for c, e, s in zip(corners, plan.extent, self.shape)]
+        self.cover = [tuple(torch.from_numpy(v).to(device) for v in cover) for cover in covers]
+        # the z-windows each block of BLOCK_Z voxels meets (for _apply_kernel)
+        starts = np.arange(0, nz, BLOCK_Z)
+        stops = np.minimum(starts + BLOCK_Z, nz)
+        lowest = np.searchsorted(corners[2] + plan.extent[2], starts, side="right")
+        highest = np.searchsorted(corners[2], stops - 1, side="right")
+        self.z_blocks = [torch.from_numpy(v.astype(np.int32)).to(device) for v in (lowest, highest)]
+        a, b, c = self.grid
+        t2 = self.n_volumes * self.n_volumes
+        self.projectors = torch.zeros((a * b * c, self.n_volumes, self.n_volumes), dtype=torch.float32,
+                                      device=device)
+        self.scalars = torch.zeros((a * b * c, 3), dtype=torch.float32, device=device)
+        self._lines = torch.empty((nx * ny * c, t2), dtype=torch.float32, device=device)  # S1, then R
+        self._planes = torch.empty((nx * b * c, t2), dtype=torch.float32, device=device)  # S2, then x-spread
+
+    def gram(self):
+        """The Gram matrices (W, T, T) float32 of every window, in the plan's order (x, then y, then z)."""
+        (nx, ny, nz), (ex, ey, ez), (a, b, c) = self.shape, self.extent, self.grid
+        t2 = self.n_volumes * self.n_volumes
+        block_t = kernels.block_volumes(self.n_volumes)
+        _outer_sums_kernel[(c * nx * ny,)](self.volume, self.corners[2], self._lines, c, nz, self.n_volumes, ez,
+                                         DOT=self.dot["outer"], BLOCK_E=max(16, triton.next_power_of_2(ez)),
+                                         BLOCK_T=block_t, num_warps=4)
+        _window_sums(self._lines, self.corners[1], self._planes, nx, ny, b, c * t2, ey)
+        gram = torch.empty((a * b * c, self.n_volumes, self.n_volumes), dtype=torch.float32,
+                           device=self.volume.device)
+        _window_sums(self._planes, self.corners[0], gram, 1, nx, a, b * c * t2, ex)
+        return gram
+
+    def add_windows(self, windows: slice, projector, weight, sigma, rank):
+        """A batch's projectors (B, T, T) and its windows' weight, sigma and rank (B,), for ``accumulate``."""
+        self.projectors[windows] = projector * weight[:, None, None]
+        self.scalars[windows] = torch.stack((weight, weight * sigma, weight * rank), dim=1)
+
+    def accumulate(self, image, weight, sigma, rank):
+        """Add every window's w (X_c P + mean) into ``image`` (V, T) and w, w sigma, w rank into the maps (V,)."""
+        (nx, ny, nz), (a, b, c) = self.shape, self.grid
+        t2 = self.n_volumes * self.n_volumes
+        _window_spread(self.projectors, self.cover[0], self._planes, 1, a, nx, b * c * t2)
+        _window_spread(self._planes, self.cover[1], self._lines, nx, b, ny, c * t2)
+        maps = torch.empty((nx * b * c, 3), dtype=torch.float32, device=image.device)
+        _window_spread(self.scalars, self.cover[0], maps, 1, a, nx, b * c * 3)
+        lines = torch.empty((nx * ny * c, 3), dtype=torch.float32, device=image.device)
+        _window_spread(maps, self.cover[1], lines, nx, b, ny, c * 3)
+        voxels = torch.empty((nx * ny * nz, 3), dtype=torch.float32, device=image.device)
+        _window_spread(lines, self.cover[2], voxels, nx * ny, c, nz, 3)
+        _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * nx * ny,)](
+            self.volume, self._lines, self.corners[2], *self.z_blocks, voxels[:, 0].contiguous(), image, c, nz,
+            self.n_volumes, self.extent[2], DOT=self.dot["apply"], BLOCK_Z=BLOCK_Z,
+            BLOCK_T=kernels.block_volumes(self.n_volumes), num_warps=4)
+        for target, column in zip((weight, sigma, rank), voxels.unbind(dim=1)):
+            target += column
+
+
+def _window_sums(source, corners, out, n_outer, n_rows, n_windows, width, extent):
+    """out[p, w] = sum of source[p, corners[w] + j] over j < extent; source (n_outer, n_rows, width)."""
+    _window_sums_kernel[(n_windows * n_outer, triton.cdiv(width, BLOCK_Q))](
+        source, corners, out, n_rows, n_windows, width, extent, BLOCK_Q=BLOCK_Q, num_warps=4)
+
+
+def _window_spread(source, cover, out, n_outer, n_windows, n_rows, width):
+    """out[p, r] = sum of source[p, w] over the windows w holding row r; source (n_outer, n_windows, width)."""
+    first, count = cover
+    _window_spread_kernel[(n_rows * n_outer, triton.cdiv(width, BLOCK_Q))](
+        source, first, count, out, n_rows, n_windows, width, BLOCK_Q=BLOCK_Q, num_warps=4)
