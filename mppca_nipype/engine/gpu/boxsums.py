@@ -162,8 +162,10 @@ class BoxSums:
     order; then ``add_windows`` per batch (the weighted projectors and scalars), ``accumulate`` once."""
 
     def __init__(self, volume, plan, slab, dot_precision=None):
-        dot_precision = dict(DOT_PRECISION, **(dot_precision or {}))
-        self.dot = {k: kernels._dot_precision("gram", v) for k, v in dot_precision.items()}
+        self.dot = dict(DOT_PRECISION, **(dot_precision or {}))  # per kernel: "outer", "apply"
+        if set(self.dot) != set(DOT_PRECISION) or not set(self.dot.values()) <= set(kernels.DOT_PRECISIONS):
+            raise ValueError(f"dot_precision maps 'outer' and 'apply' to one of {kernels.DOT_PRECISIONS}, "
+                             f"not {dot_precision!r}")
         device = volume.device
         _, ny, nz = plan.spatial_shape
         nx = slab.stop - slab.first

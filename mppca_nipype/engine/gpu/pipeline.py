@@ -428,9 +428,9 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     Parameters beyond ``cpu.denoise_cpu``'s (all optional; for tests and benchmarks):
     ``device`` (default "cuda"; "cpu" runs the same kernels under TRITON_INTERPRET=1), ``path``
     (one of ``PATHS``: how the first pass's Gram and reconstruction are computed; "auto": the box sums where
-    ``boxsums.applies`` and their scratch fits, else the fused kernels where they fit, else gathered), ``eigensolver`` (one of
-    ``EIGENSOLVERS``), ``precision`` ("auto", "float32", "float64": of the Gram and eigensolver), ``max_batch``,
-    ``planes`` (x-planes of window corners per slab; default from the free memory).
+    ``boxsums.applies`` and their scratch fits, else the fused kernels where they fit, else gathered),
+    ``eigensolver`` (one of ``EIGENSOLVERS``), ``precision`` ("auto", "float32", "float64": of the Gram and
+    eigensolver), ``max_batch``, ``planes`` (x-planes of window corners per slab; default from the free memory).
     ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process.
     """
     from .. import PatchSums
