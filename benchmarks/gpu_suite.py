@@ -810,7 +810,7 @@ def dot_precisions(rows):
 def box_sums(rows):
     """(x) issue 5: the box sums (``boxsums``: the Gram and reconstruction of a whole grid of windows by
     separable sums of each voxel's outer products) against the fused kernels on the seed's problem: each
-    alone (best of 10) with each tile-product precision, the Gram's error against the fused float64 Gram,
+    alone (best of 10) with each tile-product precision and with the blocks packed (``boxsums.PACKED``), the Gram's error against the fused float64 Gram,
     the accumulated sums against the fused kernel's for the same projectors; then ``denoise_gpu`` end to end
     (auto = box sums vs path "fused"), checked against the GPU's float64 run."""
     from mppca_nipype.engine.gpu import boxsums, kernels
@@ -827,6 +827,7 @@ def box_sums(rows):
     n, m = len(base), data.shape[3]
     generator = torch.Generator(device="cuda").manual_seed(0)
     projector = torch.randn((n, m, m), device="cuda", generator=generator) / m
+    projector = projector + projector.transpose(1, 2)  # symmetric, as projectors are (packing keeps one triangle)
     weight = torch.rand(n, device="cuda", generator=generator) + 0.5
     fused_sums = [torch.zeros((volume.shape[0], m), device="cuda")] + [torch.zeros(volume.shape[0], device="cuda")
                                                                           for _ in range(3)]
@@ -838,24 +839,30 @@ def box_sums(rows):
             volume, finite_rows, base, offsets, projector, weight, weight, weight,
             *[torch.zeros_like(x) for x in fused_sums], demean="voxel"), repeats=10)[0] * 1e3))
     slab = plan_slabs(plan, data.shape[0])[0]
-    for outer in kernels.DOT_PRECISIONS:
-        for apply in kernels.DOT_PRECISIONS:
-            box = boxsums.BoxSums(volume, plan, slab, dict(outer=outer, apply=apply))
-            gram_seconds, gram, _ = best_of(box.gram, repeats=10)
-            box.add_windows(slice(0, n), projector, weight, weight, weight)
-            sums = [torch.zeros_like(x) for x in fused_sums]
-            box.accumulate(*sums)
-            accumulate_seconds, _, peak = best_of(lambda: box.accumulate(*[torch.zeros_like(x) for x in fused_sums]),
-                                                  repeats=10)
-            gram_error = float(((gram.double() - gram64).norm(dim=(1, 2)) / gram64.norm(dim=(1, 2))).max())
-            sums_error = [float((a - b).norm() / b.norm()) for a, b in zip(sums, fused_sums)]
-            result[f"outer {outer}, apply {apply}"] = dict(
-                gram_ms=gram_seconds * 1e3, accumulate_ms=accumulate_seconds * 1e3, gram_rel_error_max=gram_error,
-                sums_rel_to_fused=sums_error, peak_gib=peak / 2**30)
-            print(outer, apply, result[f"outer {outer}, apply {apply}"], flush=True)
+    variants = [(outer, apply, False) for outer in kernels.DOT_PRECISIONS for apply in kernels.DOT_PRECISIONS]
+    variants += [("ieee", "tf32x3", True), ("ieee", "ieee", True)]  # blocks as upper triangles
+    for outer, apply, packed in variants:
+        box = boxsums.BoxSums(volume, plan, slab, dict(outer=outer, apply=apply), packed)
+        gram_seconds, gram, _ = best_of(box.gram, repeats=10)
+        box.add_windows(slice(0, n), projector, weight, weight, weight)
+        sums = [torch.zeros_like(x) for x in fused_sums]
+        box.accumulate(*sums)
+        accumulate_seconds, _, peak = best_of(lambda: box.accumulate(*[torch.zeros_like(x) for x in fused_sums]),
+                                              repeats=10)
+        gram_error = float(((gram.double() - gram64).norm(dim=(1, 2)) / gram64.norm(dim=(1, 2))).max())
+        name = f"outer {outer}, apply {apply}" + (", packed" if packed else "")
+        result[name] = dict(gram_ms=gram_seconds * 1e3, accumulate_ms=accumulate_seconds * 1e3,
+                            gram_rel_error_max=gram_error, peak_gib=peak / 2**30,
+                            sums_rel_to_fused=[float((a - b).norm() / b.norm()) for a, b in zip(sums, fused_sums)])
+        print(name, result[name], flush=True)
     print("fused", result["fused"], flush=True)
-    for name, path in (("box sums (auto)", "auto"), ("fused kernels", "fused")):
-        seconds, out, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, path=path), repeats=7)
+    for name, path, packed in (("box sums (auto)", "auto", False), ("fused kernels", "fused", False),
+                               ("box sums, blocks packed", "auto", True)):
+        boxsums.PACKED = packed
+        try:
+            seconds, out, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, path=path), repeats=7)
+        finally:
+            boxsums.PACKED = False
         denoised, rank = finish(out, data.shape)
         result[f"end to end, {name}"] = dict(ms=seconds * 1e3, gram_path=out.info["gram_path"],
                                              n_settled=out.info["n_settled_in_float64"],

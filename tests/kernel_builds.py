@@ -71,7 +71,7 @@ def cases():
     and Gram precision of the fused kernels; the tridiagonal kernels in float32 and float64, with and
     without the rank-one term, with one projector launch and with a 16-lane one, at m = 48 and 128; the
     threshold kernel for each estimator, with and without the settling test; the box sums' kernels for each
-    tile-product precision."""
+    tile-product precision, blocks whole or packed."""
     from mppca_nipype.engine.gpu import kernels
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
@@ -119,11 +119,12 @@ def cases():
     box_volume = torch.zeros((14 * 12 * 20, n_volumes))
     box_sums = (torch.zeros((14 * 12 * 20, n_volumes)),) + tuple(torch.zeros(14 * 12 * 20) for _ in range(3))
     for dot in kernels.DOT_PRECISIONS:
-        def box(dot=dot):
-            sums = boxsums.BoxSums(box_volume, plan, plan_slabs(plan, 14)[0], dict(outer=dot, apply=dot))
-            sums.gram()
-            sums.accumulate(*box_sums)
-        yield f"box sums {dot}", box
+        for packed in (False, True):
+            def box(dot=dot, packed=packed):
+                sums = boxsums.BoxSums(box_volume, plan, plan_slabs(plan, 14)[0], dict(outer=dot, apply=dot), packed)
+                sums.gram()
+                sums.accumulate(*box_sums)
+            yield f"box sums {dot} packed={packed}", box
 
     values, voxels = torch.zeros((batch, 48), dtype=torch.float64), torch.full((batch,), 343)
     for estimator in ("exp2", "exp1"):

@@ -340,8 +340,8 @@ def test_the_estimator_and_the_settling_test_never_wait_for_the_device():
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("dot", ["ieee", "tf32x3"])
-def test_box_sums_match_the_cpu_on_the_seeds_geometry(monkeypatch, dot):
+@pytest.mark.parametrize("dot, packed", [("ieee", False), ("tf32x3", False), ("tf32x3", True)])
+def test_box_sums_match_the_cpu_on_the_seeds_geometry(monkeypatch, dot, packed):
     """The box sums (``auto``'s path for voxel demeaning on a full grid) compiled, with each tile-product
     precision: the CPU's float64 result within issue 3's tolerances at the seed's 11^3 windows, stride 3, and
     the same denoising as the fused kernels."""
@@ -350,6 +350,7 @@ def test_box_sums_match_the_cpu_on_the_seeds_geometry(monkeypatch, dot):
     from mppca_nipype.engine.gpu.pipeline import denoise_gpu
 
     monkeypatch.setattr(boxsums, "DOT_PRECISION", dict(outer=dot, apply=dot))
+    monkeypatch.setattr(boxsums, "PACKED", packed)
     noisy, _ = low_rank_phantom((40, 36, 26), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=7)
     options = dict(extent=11, stride=3, estimator="exp2", aggregation="weighted", demean="voxel")
     gpu, cpu = compare(noisy, **options)

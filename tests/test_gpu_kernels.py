@@ -559,13 +559,14 @@ def test_slabs_with_a_halo_give_what_one_slab_gives(kernels, path, aggregation, 
 
 
 @interpreted
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("shape, n_volumes, extent, stride", [((9, 8, 11), 7, (5, 3, 5), 2),
                                                                ((7, 10, 6), 20, (3, 3, 3), 3),
                                                                ((6, 7, 13), 33, (3, 5, 7), 4)])
-def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, stride):
+def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, stride, packed):
     """Each window's Gram of its voxel-centred patch, and the sums of w (X_c P + mean), w, w sigma, w rank
     over the windows holding each voxel, against float64 loops over the windows (awkward T, extents, and a
-    stride above the extent on one axis)."""
+    stride above the extent on one axis); the blocks stored whole or as their upper triangles."""
     from mppca_nipype.engine.gpu.boxsums import BoxSums
     from mppca_nipype.engine.gpu.pipeline import plan_slabs
 
@@ -577,13 +578,15 @@ def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, str
     patches = volume[plan.window_base()[:, None] + plan.voxel_offsets[None, :]]
     means = patches.mean(axis=2, keepdims=True)
     patches -= means
-    box = BoxSums(torch.from_numpy(data.reshape(-1, n_volumes).copy()), plan, plan_slabs(plan, shape[0])[0])
+    box = BoxSums(torch.from_numpy(data.reshape(-1, n_volumes).copy()), plan, plan_slabs(plan, shape[0])[0],
+                  packed=packed)
     gram = box.gram().numpy()
     expected = patches.transpose(0, 2, 1) @ patches
     assert np.abs(gram - expected).max() < 1e-6 * np.abs(expected).max()
 
     n_windows = plan.n_windows
     projector = rng.standard_normal((n_windows, n_volumes, n_volumes))
+    projector += projector.transpose(0, 2, 1)  # symmetric, as projectors are (packing keeps one triangle)
     weight, sigma, rank = rng.uniform(0.5, 2, n_windows), rng.uniform(1, 2, n_windows), rng.integers(0, 5, n_windows)
     box.add_windows(slice(0, n_windows), *as_tensors(*(a.astype(np.float32) for a in (projector, weight, sigma, rank))))
     sums = [torch.zeros((len(volume), n_volumes))] + [torch.zeros(len(volume)) for _ in range(3)]
@@ -599,13 +602,15 @@ def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, str
 
 
 @interpreted
-@pytest.mark.parametrize("aggregation, planes", [("weighted", None), ("uniform", 2)])
-def test_box_path_gives_the_fused_kernels_result(kernels, monkeypatch, aggregation, planes):
+@pytest.mark.parametrize("aggregation, planes, packed", [("weighted", None, False), ("uniform", 2, False),
+                                                         ("weighted", 2, True)])
+def test_box_path_gives_the_fused_kernels_result(kernels, monkeypatch, aggregation, planes, packed):
     """Voxel demeaning on a full grid: the box sums (``auto``'s choice; in slabs too) denoise as the fused
     kernels do, the windows the settling pass redoes included (a wide slack makes it redo some)."""
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import boxsums, pipeline
     from mppca_nipype.engine.gpu.pipeline import denoise_gpu, plan_slabs
 
+    monkeypatch.setattr(boxsums, "PACKED", packed)
     monkeypatch.setattr(pipeline, "SETTLE_SLACK", 3e3)
     monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 3e3)
 

@@ -46,11 +46,28 @@ BLOCK_Z = 16
 #: with "tf32x3"; reconstruction 2.17 ms with "ieee" vs 2.00 with "tf32x3"; the Gram 1.9e-6 from float64
 #: and the sums 1.2e-7 from the fused kernels' either way.
 DOT_PRECISION = dict(outer="ieee", apply="tf32x3")
+#: Keep each T x T block as its upper triangle, T (T + 1) / 2 floats (``packed_index``), in the scratch and
+#: in the spreads: half the memory and half the traffic of the sum and spread kernels (most of the box sums'
+#: time, which is memory-bound), at the cost of gathered loads in ``_apply_kernel`` and an unpacking of the
+#: Gram. Predicted on the seed's problem: Gram 1.26 -> ~0.8 ms, reconstruction 2.0 -> ~1.3 ms, scratch
+#: 1.7 -> 0.9 GiB. Opt-in until timed on a GPU (suite part x); interpreter-tested.
+PACKED = False
 
 
 @triton.jit
-def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, n_windows, n_z: tl.constexpr, n_volumes: tl.constexpr,
-                       extent: tl.constexpr, DOT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+def _block_offsets(i, j, n_volumes: tl.constexpr, PACKED: tl.constexpr):
+    """Offsets of the elements (i, j) of a symmetric T x T block stored whole (row-major) or as its upper
+    triangle (``packed_index``)."""
+    if PACKED:
+        low = tl.minimum(i, j)
+        return low * (2 * n_volumes - low - 1) // 2 + tl.maximum(i, j)
+    return i * n_volumes + j
+
+
+@triton.jit
+def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, n_windows, width, n_z: tl.constexpr,
+                       n_volumes: tl.constexpr, extent: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)  # the z-window varies fastest: neighbours share rows
     window = program % n_windows
     line = program // n_windows
@@ -64,8 +81,11 @@ def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, n_windows, n_z: tl.const
     mean = tl.sum(x, axis=1) / n_volumes
     x = tl.where(valid, x - mean[:, None], 0.0)
     gram = tl.dot(tl.trans(x), x, input_precision=DOT)
-    out = out_ptr + (line * n_windows + window) * (n_volumes * n_volumes)
-    tl.store(out + t[:, None] * n_volumes + t[None, :], gram, mask=volume_valid[:, None] & volume_valid[None, :])
+    stored = volume_valid[:, None] & volume_valid[None, :]
+    if PACKED:
+        stored &= t[:, None] <= t[None, :]
+    out = out_ptr + (line * n_windows + window) * width
+    tl.store(out + _block_offsets(t[:, None], t[None, :], n_volumes, PACKED), gram, mask=stored)
 
 
 @triton.jit
@@ -101,8 +121,8 @@ def _window_spread_kernel(in_ptr, first_ptr, count_ptr, out_ptr, n_rows, n_windo
 
 @triton.jit
 def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, weight_ptr, image_ptr,
-                  n_windows, n_z: tl.constexpr, n_volumes: tl.constexpr, extent: tl.constexpr,
-                  DOT: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_T: tl.constexpr):
+                  n_windows, width, n_z: tl.constexpr, n_volumes: tl.constexpr, extent: tl.constexpr,
+                  DOT: tl.constexpr, PACKED: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_T: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)
     n_blocks: tl.constexpr = (n_z + BLOCK_Z - 1) // BLOCK_Z
     block = program % n_blocks
@@ -118,11 +138,11 @@ def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, w
     x = tl.where(valid, x - mean[:, None], 0.0)
     restored = tl.zeros((BLOCK_Z, BLOCK_T), dtype=tl.float32)
     tile = volume_valid[:, None] & volume_valid[None, :]
+    offsets = _block_offsets(t[:, None], t[None, :], n_volumes, PACKED)
     for window in range(tl.load(lowest_ptr + block), tl.load(highest_ptr + block)):
         z0 = tl.load(corner_ptr + window)
         inside = (z >= z0) & (z < z0 + extent)
-        spread = tl.load(spread_ptr + (line * n_windows + window) * (n_volumes * n_volumes)
-                         + t[:, None] * n_volumes + t[None, :], mask=tile, other=0.0)
+        spread = tl.load(spread_ptr + (line * n_windows + window) * width + offsets, mask=tile, other=0.0)
         restored = tl.dot(tl.where(inside[:, None], x, 0.0), spread, restored, input_precision=DOT)
     weight = tl.load(weight_ptr + rows, mask=z_valid, other=0.0)
     restored += mean[:, None] * weight[:, None]
@@ -140,13 +160,28 @@ def applies(plan, options, finite, n_volumes, dtype, fused) -> bool:
             and bool(np.all(finite)))
 
 
-def scratch_bytes(plan, n_volumes, planes=None) -> int:
+def scratch_bytes(plan, n_volumes, planes=None, packed=None) -> int:
     """Device memory the box sums of a slab of ``planes`` x-planes (default all) take beside the sums."""
     nx, ny, nz = plan.spatial_shape
     nx = min(nx, planes + plan.extent[0] - 1) if planes else nx
     a, b, c = (len(window_positions(s, e, plan.stride)) for s, e in zip((nx, ny, nz), plan.extent))
-    lines = nx * ny * c + nx * b * c + 2 * a * b * c  # S1 (also R), S2 (also the x-spread), G, Q
-    return 4 * lines * n_volumes * n_volumes + 4 * 3 * nx * ny * nz
+    packed = PACKED if packed is None else packed
+    width = _block_width(n_volumes, packed)
+    # S1 (also R), S2 (also the x-spread), Q, in blocks; G whole (and packed first when packing)
+    blocks = nx * ny * c + nx * b * c + a * b * c * (2 if packed else 1)
+    return 4 * (blocks * width + a * b * c * n_volumes * n_volumes + 3 * nx * ny * nz)
+
+
+def _block_width(n_volumes, packed):
+    return n_volumes * (n_volumes + 1) // 2 if packed else n_volumes * n_volumes
+
+
+def packed_index(n_volumes):
+    """(T, T) int64: where each element of a symmetric T x T block lies in its upper triangle stored row by
+    row (i <= j: i (2 T - i - 1) / 2 + j), as ``_block_offsets`` computes it."""
+    i, j = np.meshgrid(np.arange(n_volumes), np.arange(n_volumes), indexing="ij")
+    low, high = np.minimum(i, j), np.maximum(i, j)
+    return low * (2 * n_volumes - low - 1) // 2 + high
 
 
 def _cover(corners, extent, size):
@@ -161,7 +196,7 @@ class BoxSums:
     """One slab's windows (a full grid of corners) by box sums: ``gram`` (W, T, T) in the plan's window
     order; then ``add_windows`` per batch (the weighted projectors and scalars), ``accumulate`` once."""
 
-    def __init__(self, volume, plan, slab, dot_precision=None):
+    def __init__(self, volume, plan, slab, dot_precision=None, packed=None):
         self.dot = dict(DOT_PRECISION, **(dot_precision or {}))  # per kernel: "outer", "apply"
         if set(self.dot) != set(DOT_PRECISION) or not set(self.dot.values()) <= set(kernels.DOT_PRECISIONS):
             raise ValueError(f"dot_precision maps 'outer' and 'apply' to one of {kernels.DOT_PRECISIONS}, "
@@ -186,38 +221,44 @@ class BoxSums:
         highest = np.searchsorted(corners[2], stops - 1, side="right")
         self.z_blocks = [torch.from_numpy(v.astype(np.int32)).to(device) for v in (lowest, highest)]
         a, b, c = self.grid
-        t2 = self.n_volumes * self.n_volumes
-        self.projectors = torch.zeros((a * b * c, self.n_volumes, self.n_volumes), dtype=torch.float32,
-                                      device=device)
+        self.packed = PACKED if packed is None else packed
+        self.width = _block_width(self.n_volumes, self.packed)  # floats per T x T block
+        if self.packed:  # block element -> its place in the triangle; the triangle's elements in the block
+            index = packed_index(self.n_volumes)
+            self.unpack = torch.from_numpy(index.reshape(-1)).to(device)
+            i, j = np.triu_indices(self.n_volumes)
+            self.pack = torch.from_numpy(i * self.n_volumes + j).to(device)
+        self.projectors = torch.zeros((a * b * c, self.width), dtype=torch.float32, device=device)
         self.scalars = torch.zeros((a * b * c, 3), dtype=torch.float32, device=device)
-        self._lines = torch.empty((nx * ny * c, t2), dtype=torch.float32, device=device)  # S1, then R
-        self._planes = torch.empty((nx * b * c, t2), dtype=torch.float32, device=device)  # S2, then x-spread
+        self._lines = torch.empty((nx * ny * c, self.width), dtype=torch.float32, device=device)  # S1, then R
+        self._planes = torch.empty((nx * b * c, self.width), dtype=torch.float32, device=device)  # S2, x-spread
 
     def gram(self):
         """The Gram matrices (W, T, T) float32 of every window, in the plan's order (x, then y, then z)."""
-        (nx, ny, nz), (ex, ey, ez), (a, b, c) = self.shape, self.extent, self.grid
-        t2 = self.n_volumes * self.n_volumes
-        block_t = kernels.block_volumes(self.n_volumes)
-        _outer_sums_kernel[(c * nx * ny,)](self.volume, self.corners[2], self._lines, c, nz, self.n_volumes, ez,
-                                         DOT=self.dot["outer"], BLOCK_E=max(16, triton.next_power_of_2(ez)),
-                                         BLOCK_T=block_t, num_warps=4)
-        _window_sums(self._lines, self.corners[1], self._planes, nx, ny, b, c * t2, ey)
-        gram = torch.empty((a * b * c, self.n_volumes, self.n_volumes), dtype=torch.float32,
-                           device=self.volume.device)
-        _window_sums(self._planes, self.corners[0], gram, 1, nx, a, b * c * t2, ex)
-        return gram
+        (nx, ny, nz), (ex, ey, ez), (a, b, c), width = self.shape, self.extent, self.grid, self.width
+        m = self.n_volumes
+        _outer_sums_kernel[(c * nx * ny,)](self.volume, self.corners[2], self._lines, c, width, nz, m, ez,
+                                         DOT=self.dot["outer"], PACKED=self.packed,
+                                         BLOCK_E=max(16, triton.next_power_of_2(ez)),
+                                         BLOCK_T=kernels.block_volumes(m), num_warps=4)
+        _window_sums(self._lines, self.corners[1], self._planes, nx, ny, b, c * width, ey)
+        gram = torch.empty((a * b * c, width), dtype=torch.float32, device=self.volume.device)
+        _window_sums(self._planes, self.corners[0], gram, 1, nx, a, b * c * width, ex)
+        if self.packed:
+            gram = gram.index_select(1, self.unpack)
+        return gram.view(a * b * c, m, m)
 
     def add_windows(self, windows: slice, projector, weight, sigma, rank):
         """A batch's projectors (B, T, T) and its windows' weight, sigma and rank (B,), for ``accumulate``."""
-        self.projectors[windows] = projector * weight[:, None, None]
+        weighted = (projector * weight[:, None, None]).reshape(len(weight), -1)
+        self.projectors[windows] = weighted.index_select(1, self.pack) if self.packed else weighted
         self.scalars[windows] = torch.stack((weight, weight * sigma, weight * rank), dim=1)
 
     def accumulate(self, image, weight, sigma, rank):
         """Add every window's w (X_c P + mean) into ``image`` (V, T) and w, w sigma, w rank into the maps (V,)."""
-        (nx, ny, nz), (a, b, c) = self.shape, self.grid
-        t2 = self.n_volumes * self.n_volumes
-        _window_spread(self.projectors, self.cover[0], self._planes, 1, a, nx, b * c * t2)
-        _window_spread(self._planes, self.cover[1], self._lines, nx, b, ny, c * t2)
+        (nx, ny, nz), (a, b, c), width = self.shape, self.grid, self.width
+        _window_spread(self.projectors, self.cover[0], self._planes, 1, a, nx, b * c * width)
+        _window_spread(self._planes, self.cover[1], self._lines, nx, b, ny, c * width)
         maps = torch.empty((nx * b * c, 3), dtype=torch.float32, device=image.device)
         _window_spread(self.scalars, self.cover[0], maps, 1, a, nx, b * c * 3)
         lines = torch.empty((nx * ny * c, 3), dtype=torch.float32, device=image.device)
@@ -225,8 +266,8 @@ class BoxSums:
         voxels = torch.empty((nx * ny * nz, 3), dtype=torch.float32, device=image.device)
         _window_spread(lines, self.cover[2], voxels, nx * ny, c, nz, 3)
         _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * nx * ny,)](
-            self.volume, self._lines, self.corners[2], *self.z_blocks, voxels[:, 0].contiguous(), image, c, nz,
-            self.n_volumes, self.extent[2], DOT=self.dot["apply"], BLOCK_Z=BLOCK_Z,
+            self.volume, self._lines, self.corners[2], *self.z_blocks, voxels[:, 0].contiguous(), image, c, width,
+            nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], PACKED=self.packed, BLOCK_Z=BLOCK_Z,
             BLOCK_T=kernels.block_volumes(self.n_volumes), num_warps=4)
         for target, column in zip((weight, sigma, rank), voxels.unbind(dim=1)):
             target += column
