@@ -307,11 +307,12 @@ def profile_seed(trace_dir=None):
     from torch.profiler import ProfilerActivity, profile
 
     seed, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
-    stages = (("gram", ("_gram_kernel", "_outer_sums_kernel", "_window_sums_kernel")),
+    stages = (("gram", ("_gram_kernel", "_outer_sums_kernel")),
+              ("box sums' row sums (Gram and reconstruction)", ("_range_sums_kernel",)),
               ("threshold", ("_threshold_kernel",)), ("eigen: tridiagonal values", ("_values_kernel",)),
               ("eigen: tridiagonal projector", ("_projector_kernel",)),
               ("eigen: XsyevBatched", ("syev", "sytrd", "steqr", "stedc", "orm", "jacobi", "batched")),
-              ("reconstruct", ("_reconstruct", "_window_spread_kernel", "_apply_kernel")), ("copies", ("Memcpy", "memcpy")))
+              ("reconstruct", ("_reconstruct", "_apply_kernel")), ("copies", ("Memcpy", "memcpy")))
     result = {}
     for name, options, eigensolver in (("tridiagonal", SEED_OPTIONS, "tridiagonal"), ("xsyev", SEED_OPTIONS, "xsyev"),
                                        ("dwidenoise mode, auto", DWIDENOISE_OPTIONS, "auto")):
@@ -759,12 +760,10 @@ def gram_kernel_alone(noisy, options):
     return dict(n_windows=plan.n_windows, patch=plan.patch_size, **times)
 
 
-def dot_precisions(rows):
-    """(g) issue 5: the fused kernels' tile products as float32 FMAs ("ieee") or three TF32 tensor-core
-    products ("tf32x3"), on the seed's problem: the Gram kernel and the reconstruction kernel alone (best of
-    10), the Gram's error against float64, and ``denoise_gpu`` end to end with each for both kernels and
-    with the defaults (``kernels.DOT_PRECISION``; best of 5), checked against the GPU's float64 run (fused
-    float64 Gram + XsyevBatched, as exact as the CPU path)."""
+def seed_for_kernels():
+    """The seed's problem as parts g and x take it: the phantom's truth, the data, finite flags, plan and
+    options, the GPU's float64 run (denoised series and rank map: the reference), the series, finite flags,
+    window corners and voxel offsets on the device, and the fused kernel's float64 Gram."""
     from mppca_nipype.engine.gpu import kernels
 
     noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
@@ -775,6 +774,20 @@ def dot_precisions(rows):
     base = torch.from_numpy(plan.window_base()).cuda()
     offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).cuda()
     gram64, _, _ = kernels.gram(volume, finite_rows, base, offsets, demean="voxel", dtype=torch.float64)
+    return (truth, data, finite, plan, options, reference, reference_rank, volume, finite_rows, base, offsets,
+            gram64)
+
+
+def dot_precisions(rows):
+    """(g) issue 5: the fused kernels' tile products as float32 FMAs ("ieee") or three TF32 tensor-core
+    products ("tf32x3"), on the seed's problem: the Gram kernel and the reconstruction kernel alone (best of
+    10), the Gram's error against float64, and ``denoise_gpu`` end to end with each for both kernels and
+    with the defaults (``kernels.DOT_PRECISION``; best of 5), checked against the GPU's float64 run (fused
+    float64 Gram + XsyevBatched, as exact as the CPU path)."""
+    from mppca_nipype.engine.gpu import kernels
+
+    (truth, data, finite, plan, options, reference, reference_rank, volume, finite_rows, base, offsets,
+     gram64) = seed_for_kernels()
     n, m = len(base), data.shape[3]
     projector = torch.eye(m, device="cuda").expand(n, m, m).contiguous()
     ones = torch.ones(n, device="cuda")
@@ -816,14 +829,8 @@ def box_sums(rows):
     from mppca_nipype.engine.gpu import boxsums, kernels
     from mppca_nipype.engine.gpu.pipeline import plan_slabs
 
-    noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
-    data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
-    reference, reference_rank = finish(denoise_gpu(data, finite, plan, options, precision="float64"), data.shape)
-    volume = torch.from_numpy(data.reshape(-1, data.shape[3])).cuda()
-    finite_rows = torch.from_numpy(finite.ravel().astype(np.float32)).cuda()
-    base = torch.from_numpy(plan.window_base()).cuda()
-    offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).cuda()
-    gram64, _, _ = kernels.gram(volume, finite_rows, base, offsets, demean="voxel", dtype=torch.float64)
+    (truth, data, finite, plan, options, reference, reference_rank, volume, finite_rows, base, offsets,
+     gram64) = seed_for_kernels()
     n, m = len(base), data.shape[3]
     generator = torch.Generator(device="cuda").manual_seed(0)
     projector = torch.randn((n, m, m), device="cuda", generator=generator) / m

@@ -12,11 +12,11 @@ Here, for windows at corners (a, b, c) of extent (ex, ey, ez) on a (X, Y, Z) sla
 
 * Gram: ``_outer_sums_kernel`` sums the outer products of the ez voxels of each z-window of each (x, y) line
   (one ``tl.dot`` per line and window, the voxel's mean removed in registers): S1 (X, Y, C, T, T); then
-  ``_window_sums_kernel`` sums ey consecutive y-rows (S2 (X, B, C, T, T)) and ex consecutive x-planes
+  ``_range_sums_kernel`` sums ey consecutive y-rows (S2 (X, B, C, T, T)) and ex consecutive x-planes
   (G (A, B, C, T, T): the windows in the plan's order). Each voxel's outer product is formed once per
   z-window holding it (~ez / stride times), not once per window (~(ez / stride)^3 times).
 * Reconstruction: the adjoint. The projectors scaled by their window's weight, Q (A, B, C, T, T), are spread
-  back over x (``_window_spread_kernel``: each plane sums the windows holding it) and over y, giving
+  back over x (``_range_sums_kernel`` again: each plane sums the run of windows holding it) and over y, giving
   R (X, Y, C, T, T); ``_apply_kernel`` then adds to each voxel x_v (sum over its z-windows c of R[x, y, c])
   + m_v sum_W w_W. No atomics: every voxel is written by one program. The windows' (w, w sigma, w rank)
   go through the same spreads.
@@ -89,34 +89,17 @@ def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, n_windows, width, n_z: t
 
 
 @triton.jit
-def _window_sums_kernel(in_ptr, corner_ptr, out_ptr, n_rows, n_windows, width, extent: tl.constexpr,
-                        BLOCK_Q: tl.constexpr):
-    program = tl.program_id(0).to(tl.int64)  # the window varies fastest: neighbours share rows
-    window = program % n_windows
-    outer = program // n_windows
+def _range_sums_kernel(in_ptr, start_ptr, count_ptr, out_ptr, n_in_rows, n_out_rows, width, BLOCK_Q: tl.constexpr):
+    program = tl.program_id(0).to(tl.int64)  # the output row varies fastest: neighbours share input rows
+    row = program % n_out_rows
+    outer = program // n_out_rows
     q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     valid = q < width
-    first = outer * n_rows + tl.load(corner_ptr + window)
+    first = outer * n_in_rows + tl.load(start_ptr + row)
     total = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-    for j in range(extent):
-        total += tl.load(in_ptr + (first + j) * width + q, mask=valid, other=0.0)
-    tl.store(out_ptr + (outer * n_windows + window) * width + q, total, mask=valid)
-
-
-@triton.jit
-def _window_spread_kernel(in_ptr, first_ptr, count_ptr, out_ptr, n_rows, n_windows, width,
-                          BLOCK_Q: tl.constexpr):
-    program = tl.program_id(0).to(tl.int64)
-    row = program % n_rows
-    outer = program // n_rows
-    q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    valid = q < width
-    first = outer * n_windows + tl.load(first_ptr + row)
-    count = tl.load(count_ptr + row)
-    total = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-    for i in range(count):
+    for i in range(tl.load(count_ptr + row)):
         total += tl.load(in_ptr + (first + i) * width + q, mask=valid, other=0.0)
-    tl.store(out_ptr + (outer * n_rows + row) * width + q, total, mask=valid)
+    tl.store(out_ptr + (outer * n_out_rows + row) * width + q, total, mask=valid)
 
 
 @triton.jit
@@ -189,7 +172,7 @@ def _cover(corners, extent, size):
     index = np.arange(size)
     first = np.searchsorted(corners + extent, index, side="right")
     stop = np.searchsorted(corners, index, side="right")
-    return first.astype(np.int32), (stop - first).astype(np.int32)
+    return first, stop - first
 
 
 class BoxSums:
@@ -211,9 +194,14 @@ class BoxSums:
         self.grid = tuple(len(c) for c in corners)
         if int(np.prod(self.grid)) != slab.windows.stop - slab.windows.start:
             raise ValueError("the box sums take a slab whose windows are a full grid")
-        self.corners = [torch.from_numpy(c.astype(np.int32)).to(device) for c in corners]
-        covers = [_cover(c, e, s) for c, e, s in zip(corners, plan.extent, self.shape)]
-        self.cover = [tuple(torch.from_numpy(v).to(device) for v in cover) for cover in covers]
+        def on_device(*arrays):
+            return tuple(torch.from_numpy(np.asarray(a, dtype=np.int32)).to(device) for a in arrays)
+
+        self.corners = [on_device(c)[0] for c in corners]
+        # per axis, the runs of rows each sum reads: a window's extent of rows (Gram); the run of windows
+        # holding a row (the reconstruction's spread)
+        self.windows = [on_device(c, np.full(len(c), e)) for c, e in zip(corners, plan.extent)]
+        self.cover = [on_device(*_cover(c, e, s)) for c, e, s in zip(corners, plan.extent, self.shape)]
         # the z-windows each block of BLOCK_Z voxels meets (for _apply_kernel)
         starts = np.arange(0, nz, BLOCK_Z)
         stops = np.minimum(starts + BLOCK_Z, nz)
@@ -235,15 +223,15 @@ class BoxSums:
 
     def gram(self):
         """The Gram matrices (W, T, T) float32 of every window, in the plan's order (x, then y, then z)."""
-        (nx, ny, nz), (ex, ey, ez), (a, b, c), width = self.shape, self.extent, self.grid, self.width
+        (nx, ny, nz), ez, (a, b, c), width = self.shape, self.extent[2], self.grid, self.width
         m = self.n_volumes
         _outer_sums_kernel[(c * nx * ny,)](self.volume, self.corners[2], self._lines, c, width, nz, m, ez,
                                          DOT=self.dot["outer"], PACKED=self.packed,
                                          BLOCK_E=max(16, triton.next_power_of_2(ez)),
                                          BLOCK_T=kernels.block_volumes(m), num_warps=4)
-        _window_sums(self._lines, self.corners[1], self._planes, nx, ny, b, c * width, ey)
+        _range_sums(self._lines, self.windows[1], self._planes, nx, ny, b, c * width)
         gram = torch.empty((a * b * c, width), dtype=torch.float32, device=self.volume.device)
-        _window_sums(self._planes, self.corners[0], gram, 1, nx, a, b * c * width, ex)
+        _range_sums(self._planes, self.windows[0], gram, 1, nx, a, b * c * width)
         if self.packed:
             gram = gram.index_select(1, self.unpack)
         return gram.view(a * b * c, m, m)
@@ -257,14 +245,14 @@ class BoxSums:
     def accumulate(self, image, weight, sigma, rank):
         """Add every window's w (X_c P + mean) into ``image`` (V, T) and w, w sigma, w rank into the maps (V,)."""
         (nx, ny, nz), (a, b, c), width = self.shape, self.grid, self.width
-        _window_spread(self.projectors, self.cover[0], self._planes, 1, a, nx, b * c * width)
-        _window_spread(self._planes, self.cover[1], self._lines, nx, b, ny, c * width)
+        _range_sums(self.projectors, self.cover[0], self._planes, 1, a, nx, b * c * width)
+        _range_sums(self._planes, self.cover[1], self._lines, nx, b, ny, c * width)
         maps = torch.empty((nx * b * c, 3), dtype=torch.float32, device=image.device)
-        _window_spread(self.scalars, self.cover[0], maps, 1, a, nx, b * c * 3)
+        _range_sums(self.scalars, self.cover[0], maps, 1, a, nx, b * c * 3)
         lines = torch.empty((nx * ny * c, 3), dtype=torch.float32, device=image.device)
-        _window_spread(maps, self.cover[1], lines, nx, b, ny, c * 3)
+        _range_sums(maps, self.cover[1], lines, nx, b, ny, c * 3)
         voxels = torch.empty((nx * ny * nz, 3), dtype=torch.float32, device=image.device)
-        _window_spread(lines, self.cover[2], voxels, nx * ny, c, nz, 3)
+        _range_sums(lines, self.cover[2], voxels, nx * ny, c, nz, 3)
         _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * nx * ny,)](
             self.volume, self._lines, self.corners[2], *self.z_blocks, voxels[:, 0].contiguous(), image, c, width,
             nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], PACKED=self.packed, BLOCK_Z=BLOCK_Z,
@@ -273,14 +261,9 @@ class BoxSums:
             target += column
 
 
-def _window_sums(source, corners, out, n_outer, n_rows, n_windows, width, extent):
-    """out[p, w] = sum of source[p, corners[w] + j] over j < extent; source (n_outer, n_rows, width)."""
-    _window_sums_kernel[(n_windows * n_outer, triton.cdiv(width, BLOCK_Q))](
-        source, corners, out, n_rows, n_windows, width, extent, BLOCK_Q=BLOCK_Q, num_warps=4)
-
-
-def _window_spread(source, cover, out, n_outer, n_windows, n_rows, width):
-    """out[p, r] = sum of source[p, w] over the windows w holding row r; source (n_outer, n_windows, width)."""
-    first, count = cover
-    _window_spread_kernel[(n_rows * n_outer, triton.cdiv(width, BLOCK_Q))](
-        source, first, count, out, n_rows, n_windows, width, BLOCK_Q=BLOCK_Q, num_warps=4)
+def _range_sums(source, runs, out, n_outer, n_source_rows, n_out_rows, width):
+    """out[p, r] = sum of source[p, start[r] + i] over i < count[r], for ``runs`` = (start, count);
+    source (n_outer, n_source_rows, width), out (n_outer, n_out_rows, width)."""
+    start, count = runs
+    _range_sums_kernel[(n_out_rows * n_outer, triton.cdiv(width, BLOCK_Q))](
+        source, start, count, out, n_source_rows, n_out_rows, width, BLOCK_Q=BLOCK_Q, num_warps=4)
