@@ -37,7 +37,7 @@ from . import kernels
 
 #: Largest T the box sums take (their T x T tiles, and the per-window buffers of T^2 floats per line).
 MAX_VOLUMES = 64
-#: Elements of the T x T blocks each program of the sum and spread kernels handles.
+#: Elements of a row (T x T blocks side by side) each program of ``_range_sums_kernel`` adds up.
 BLOCK_Q = 1024
 #: Voxels along z per program of ``_apply_kernel``.
 BLOCK_Z = 16
