@@ -194,12 +194,12 @@ class BoxSums:
         self.grid = tuple(len(c) for c in corners)
         if int(np.prod(self.grid)) != slab.windows.stop - slab.windows.start:
             raise ValueError("the box sums take a slab whose windows are a full grid")
+
         def on_device(*arrays):
             return tuple(torch.from_numpy(np.asarray(a, dtype=np.int32)).to(device) for a in arrays)
 
-        self.corners = [on_device(c)[0] for c in corners]
-        # per axis, the runs of rows each sum reads: a window's extent of rows (Gram); the run of windows
-        # holding a row (the reconstruction's spread)
+        # per axis, the runs of rows each sum reads: a window's extent of rows from its corner (Gram); the run
+        # of windows holding a row (the reconstruction's spread)
         self.windows = [on_device(c, np.full(len(c), e)) for c, e in zip(corners, plan.extent)]
         self.cover = [on_device(*_cover(c, e, s)) for c, e, s in zip(corners, plan.extent, self.shape)]
         # the z-windows each block of BLOCK_Z voxels meets (for _apply_kernel)
@@ -207,7 +207,7 @@ class BoxSums:
         stops = np.minimum(starts + BLOCK_Z, nz)
         lowest = np.searchsorted(corners[2] + plan.extent[2], starts, side="right")
         highest = np.searchsorted(corners[2], stops - 1, side="right")
-        self.z_blocks = [torch.from_numpy(v.astype(np.int32)).to(device) for v in (lowest, highest)]
+        self.z_blocks = on_device(lowest, highest)
         a, b, c = self.grid
         self.packed = PACKED if packed is None else packed
         self.width = _block_width(self.n_volumes, self.packed)  # floats per T x T block
@@ -225,7 +225,8 @@ class BoxSums:
         """The Gram matrices (W, T, T) float32 of every window, in the plan's order (x, then y, then z)."""
         (nx, ny, nz), ez, (a, b, c), width = self.shape, self.extent[2], self.grid, self.width
         m = self.n_volumes
-        _outer_sums_kernel[(c * nx * ny,)](self.volume, self.corners[2], self._lines, c, width, nz, m, ez,
+        z_corners = self.windows[2][0]
+        _outer_sums_kernel[(c * nx * ny,)](self.volume, z_corners, self._lines, c, width, nz, m, ez,
                                          DOT=self.dot["outer"], PACKED=self.packed,
                                          BLOCK_E=max(16, triton.next_power_of_2(ez)),
                                          BLOCK_T=kernels.block_volumes(m), num_warps=4)
@@ -254,7 +255,7 @@ class BoxSums:
         voxels = torch.empty((nx * ny * nz, 3), dtype=torch.float32, device=image.device)
         _range_sums(lines, self.cover[2], voxels, nx * ny, c, nz, 3)
         _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * nx * ny,)](
-            self.volume, self._lines, self.corners[2], *self.z_blocks, voxels[:, 0].contiguous(), image, c, width,
+            self.volume, self._lines, self.windows[2][0], *self.z_blocks, voxels[:, 0].contiguous(), image, c, width,
             nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], PACKED=self.packed, BLOCK_Z=BLOCK_Z,
             BLOCK_T=kernels.block_volumes(self.n_volumes), num_warps=4)
         for target, column in zip((weight, sigma, rank), voxels.unbind(dim=1)):

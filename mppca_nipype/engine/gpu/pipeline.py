@@ -580,7 +580,7 @@ class _PlanRun:
         self.voxel_offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).to(device)
         self.step, self.retries, self.n_settled, self.n_redone_on_cpu = 0, 0, 0, 0
         self.fused = None
-        self.box = None  # whether the first pass takes the box sums (``boxsums``), set with the Gram path
+        self.takes_box_sums = None  # whether the first pass may take ``boxsums``, set with the Gram path
         self.n_box_slabs = 0
 
     @property
@@ -604,9 +604,9 @@ class _PlanRun:
             self.refine = refine_block(m) if refines else 0
             self.mean_apart = (self.fused and self.demean == "none" and self.dtype == torch.float32
                                and isinstance(self.solver, TridiagonalEigh))
-            self.box = (self.path in ("auto", "box") and self.fused
-                        and boxsums.applies(plan, self.options, finite_host, n_volumes, self.dtype, self.fused))
-            if self.path == "box" and not self.box:
+            self.takes_box_sums = (self.path in ("auto", "box") and boxsums.applies(
+                plan, self.options, finite_host, n_volumes, self.dtype, self.fused))
+            if self.path == "box" and not self.takes_box_sums:
                 raise ValueError("the box sums take voxel demeaning, weighted or uniform aggregation, a float32 "
                                  f"first pass, T <= {boxsums.MAX_VOLUMES}, stride > 1 with every window active "
                                  "and every voxel finite")
@@ -615,7 +615,7 @@ class _PlanRun:
             return
         row0 = slab.first * plan.spatial_shape[1] * plan.spatial_shape[2]
         box = None
-        if self.box and (self.path == "box" or _box_fits(self.device, plan, n_volumes, slab)):
+        if self.takes_box_sums and (self.path == "box" or _box_fits(self.device, plan, n_volumes, slab)):
             box = boxsums.BoxSums(volume, plan, slab)
             self.n_box_slabs += 1
         context = _SlabContext(self, slab, volume, finite, sums, row0, box)
