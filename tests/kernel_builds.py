@@ -71,7 +71,8 @@ def cases():
     and Gram precision of the fused kernels; the tridiagonal kernels in float32 and float64, with and
     without the rank-one term, with one projector launch and with a 16-lane one, at m = 48 and 128; the
     threshold kernel for each estimator, with and without the settling test; the box sums' kernels for each
-    tile-product precision, blocks whole or packed."""
+    tile-product precision; the float64 Gram and tridiagonal kernels with a count (the settling pass chosen
+    on the device)."""
     from mppca_nipype.engine.gpu import kernels
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
@@ -90,6 +91,9 @@ def cases():
                 yield (f"gram {demean} {str(dtype)[6:]} {dot}",
                        lambda d=demean, t=dtype, p=dot: kernels.gram(volume, finite, base, offsets, demean=d,
                                                                      dtype=t, dot_precision=p))
+        yield (f"gram {demean} float64 counted",  # the settling pass chosen on the device
+               lambda d=demean: kernels.gram(volume, finite, base, offsets, demean=d, dtype=torch.float64,
+                                             count=torch.tensor(3)))
         for dot in kernels.DOT_PRECISIONS:
             yield (f"reconstruct_accumulate {demean} {dot}",
                    lambda d=demean, p=dot, v=volume_mean: kernels.reconstruct_accumulate(
@@ -99,15 +103,20 @@ def cases():
                lambda d=demean, v=volume_mean: kernels.reconstruct_centres(
                    volume, torch.zeros(batch, dtype=torch.int64), torch.arange(batch, dtype=torch.int32),
                    projector, *patch, *sums, demean=d, volume_mean=v))
-    for m, dtype, rank_one, lanes in ((48, torch.float32, False, 0), (48, torch.float32, True, 0),
-                                      (48, torch.float32, True, 16), (48, torch.float64, False, 0),
-                                      (48, torch.float64, False, 16), (128, torch.float32, False, 0)):
-        def eigen_step(m=m, dtype=dtype, rank_one=rank_one, lanes=lanes):
+    tridiagonal = ((48, torch.float32, False, 0, False), (48, torch.float32, True, 0, False),
+                   (48, torch.float32, True, 16, False), (48, torch.float64, False, 0, False),
+                   (48, torch.float64, False, 16, False), (128, torch.float32, False, 0, False),
+                   (48, torch.float64, False, 16, True))  # m, dtype, rank-one term, lanes, counted
+    for m, dtype, rank_one, lanes, counted in tridiagonal:
+        def eigen_step(m=m, dtype=dtype, rank_one=rank_one, lanes=lanes, counted=counted):
             solver = TridiagonalEigh("cpu", lanes=lanes)
             extra = dict(rank_one=(torch.zeros((batch, m)), torch.zeros(batch))) if rank_one else {}
+            if counted:
+                extra["count"] = torch.tensor(3)
             solver.values(torch.zeros((batch, m, m), dtype=dtype), **extra)
             solver.projector(torch.ones(batch, dtype=torch.int32))
-        yield f"tridiagonal m={m} {str(dtype)[6:]} rank_one={rank_one} lanes={lanes}", eigen_step
+        yield (f"tridiagonal m={m} {str(dtype)[6:]} rank_one={rank_one} lanes={lanes} counted={counted}",
+               eigen_step)
     from mppca_nipype.engine.gpu.threshold import threshold_on_device
     from mppca_nipype.engine.gpu import boxsums
     from mppca_nipype.engine.gpu.pipeline import plan_slabs
@@ -119,12 +128,11 @@ def cases():
     box_volume = torch.zeros((14 * 12 * 20, n_volumes))
     box_sums = (torch.zeros((14 * 12 * 20, n_volumes)),) + tuple(torch.zeros(14 * 12 * 20) for _ in range(3))
     for dot in kernels.DOT_PRECISIONS:
-        for packed in (False, True):
-            def box(dot=dot, packed=packed):
-                sums = boxsums.BoxSums(box_volume, plan, plan_slabs(plan, 14)[0], dict(outer=dot, apply=dot), packed)
-                sums.gram()
-                sums.accumulate(*box_sums)
-            yield f"box sums {dot} packed={packed}", box
+        def box(dot=dot):
+            sums = boxsums.BoxSums(plan, plan_slabs(plan, 14)[0], n_volumes, "cpu", dict(outer=dot, apply=dot))
+            sums.gram(box_volume)
+            sums.accumulate(box_volume, *box_sums)
+        yield f"box sums {dot}", box
 
     values, voxels = torch.zeros((batch, 48), dtype=torch.float64), torch.full((batch,), 343)
     for estimator in ("exp2", "exp1"):

@@ -6,6 +6,8 @@ Marked ``gpu``; skipped where the GPU engine cannot run (no torch/triton, no CUD
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -300,25 +302,65 @@ def test_dwidenoise_mode_in_float32_with_the_mean_taken_apart_matches_cpu():
     assert gpu.info["n_settled_in_float64"] <= 0.1 * plan.n_windows
 
 
-def test_page_locked_upload_copies_the_rows_and_unlocks_every_piece():
+def test_page_locked_uploads_copy_the_rows_and_unlock_every_piece():
     """Row ranges (overlapping, on two streams) arrive intact; every piece was page-locked for its copy and
-    is unlocked by ``release`` (the whole series can be page-locked again afterwards)."""
+    is unlocked by ``release`` on the uploader thread (the whole series can be page-locked again after)."""
     import torch
 
-    from mppca_nipype.engine.gpu.pipeline import PageLockedUpload, _pin
+    from mppca_nipype.engine.gpu.upload import PageLockedSeries, _pin
 
-    series = np.random.default_rng(5).standard_normal((20000, 48)).astype(np.float32)
-    upload = PageLockedUpload(series)
-    first = upload.upload(slice(0, 12000), torch.device("cuda"))
-    second = upload.upload(slice(9000, 20000), torch.device("cuda"), torch.cuda.Stream())
-    locked = list(upload.locked)
-    upload.release()
+    series = np.random.default_rng(5).standard_normal((20011, 48)).astype(np.float32)
+    uploads = PageLockedSeries(series)
+    stream = torch.cuda.current_stream()
+    first = uploads.upload(slice(0, 12000), torch.device("cuda"), stream).wait(stream)
+    second = uploads.upload(slice(9000, 20011), torch.device("cuda"), torch.cuda.Stream()).wait(stream)
+    locked = list(uploads.locked)
+    uploads.release().result()
     torch.cuda.synchronize()
-    assert len(locked) == 8 and all(locked) and upload.locked == [None] * 8
+    assert len(locked) == 8 and all(locked) and uploads.locked == [None] * 8
     np.testing.assert_array_equal(first.cpu().numpy(), series[:12000])
     np.testing.assert_array_equal(second.cpu().numpy(), series[9000:])
     assert _pin(series.ctypes.data, series.nbytes)
     torch.cuda.cudart().cudaHostUnregister(series.ctypes.data)
+
+
+def test_the_seeds_geometry_runs_with_one_wait_for_the_device():
+    """Voxel demeaning on a full grid (box sums, tridiagonal kernels, the settling pass chosen on the
+    device): nothing in ``denoise_gpu`` waits for the device but its final synchronisation (torch's sync
+    debug mode warns at each synchronising call), and the windows redone are those the host would choose."""
+    import torch
+
+    from mppca_nipype.engine import check_data, plan_patches, resolve_options
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy, _ = low_rank_phantom((40, 36, 26), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=8)
+    data, mask = check_data(noisy, None)
+    options = resolve_options(data.shape, extent=11, stride=3, estimator="exp2", aggregation="weighted",
+                              demean="voxel")
+    finite = np.ones(data.shape[:3], bool)
+    plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
+    pipeline.denoise_gpu(data, finite, plan, options)  # compiles the kernels
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            on_device = pipeline.denoise_gpu(data, finite, plan, options)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert len(waits) == 1, waits  # the final synchronisation
+    real_settle = pipeline._PlanRun.settles_on_device
+    try:
+        pipeline._PlanRun.settles_on_device = lambda self, n_voxels, n_volumes: False
+        on_host = pipeline.denoise_gpu(data, finite, plan, options)
+    finally:
+        pipeline._PlanRun.settles_on_device = real_settle
+    n_settled = on_device.info["n_settled_in_float64"]
+    print(f"settled {n_settled} of {plan.n_windows}")
+    assert on_device.info["gram_path"] == "box" and 0 < n_settled == on_host.info["n_settled_in_float64"]
+    for got, want in ((on_device.image, on_host.image), (on_device.rank, on_host.rank)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-3)
 
 
 def test_the_estimator_and_the_settling_test_never_wait_for_the_device():
@@ -340,8 +382,8 @@ def test_the_estimator_and_the_settling_test_never_wait_for_the_device():
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("dot, packed", [("ieee", False), ("tf32x3", False), ("tf32x3", True)])
-def test_box_sums_match_the_cpu_on_the_seeds_geometry(monkeypatch, dot, packed):
+@pytest.mark.parametrize("dot", ["ieee", "tf32x3"])
+def test_box_sums_match_the_cpu_on_the_seeds_geometry(monkeypatch, dot):
     """The box sums (``auto``'s path for voxel demeaning on a full grid) compiled, with each tile-product
     precision: the CPU's float64 result within issue 3's tolerances at the seed's 11^3 windows, stride 3, and
     the same denoising as the fused kernels."""
@@ -350,7 +392,6 @@ def test_box_sums_match_the_cpu_on_the_seeds_geometry(monkeypatch, dot, packed):
     from mppca_nipype.engine.gpu.pipeline import denoise_gpu
 
     monkeypatch.setattr(boxsums, "DOT_PRECISION", dict(outer=dot, apply=dot))
-    monkeypatch.setattr(boxsums, "PACKED", packed)
     noisy, _ = low_rank_phantom((40, 36, 26), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=7)
     options = dict(extent=11, stride=3, estimator="exp2", aggregation="weighted", demean="voxel")
     gpu, cpu = compare(noisy, **options)

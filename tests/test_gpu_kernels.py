@@ -559,14 +559,13 @@ def test_slabs_with_a_halo_give_what_one_slab_gives(kernels, path, aggregation, 
 
 
 @interpreted
-@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("shape, n_volumes, extent, stride", [((9, 8, 11), 7, (5, 3, 5), 2),
                                                                ((7, 10, 6), 20, (3, 3, 3), 3),
                                                                ((6, 7, 13), 33, (3, 5, 7), 4)])
-def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, stride, packed):
+def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, stride):
     """Each window's Gram of its voxel-centred patch, and the sums of w (X_c P + mean), w, w sigma, w rank
     over the windows holding each voxel, against float64 loops over the windows (awkward T, extents, and a
-    stride above the extent on one axis); the blocks stored whole or as their upper triangles."""
+    stride above the extent on one axis)."""
     from mppca_nipype.engine.gpu.boxsums import BoxSums
     from mppca_nipype.engine.gpu.pipeline import plan_slabs
 
@@ -578,19 +577,19 @@ def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, str
     patches = volume[plan.window_base()[:, None] + plan.voxel_offsets[None, :]]
     means = patches.mean(axis=2, keepdims=True)
     patches -= means
-    box = BoxSums(torch.from_numpy(data.reshape(-1, n_volumes).copy()), plan, plan_slabs(plan, shape[0])[0],
-                  packed=packed)
-    gram = box.gram().numpy()
+    box = BoxSums(plan, plan_slabs(plan, shape[0])[0], n_volumes, "cpu")
+    box_volume = torch.from_numpy(data.reshape(-1, n_volumes).copy())
+    gram = box.gram(box_volume).numpy()
     expected = patches.transpose(0, 2, 1) @ patches
     assert np.abs(gram - expected).max() < 1e-6 * np.abs(expected).max()
 
     n_windows = plan.n_windows
     projector = rng.standard_normal((n_windows, n_volumes, n_volumes))
-    projector += projector.transpose(0, 2, 1)  # symmetric, as projectors are (packing keeps one triangle)
+    projector += projector.transpose(0, 2, 1)  # symmetric, as projectors are
     weight, sigma, rank = rng.uniform(0.5, 2, n_windows), rng.uniform(1, 2, n_windows), rng.integers(0, 5, n_windows)
     box.add_windows(slice(0, n_windows), *as_tensors(*(a.astype(np.float32) for a in (projector, weight, sigma, rank))))
     sums = [torch.zeros((len(volume), n_volumes))] + [torch.zeros(len(volume)) for _ in range(3)]
-    box.accumulate(*sums)
+    box.accumulate(box_volume, *sums)
     want = [np.zeros((len(volume), n_volumes))] + [np.zeros(len(volume)) for _ in range(3)]
     voxels = plan.window_base()[:, None] + plan.voxel_offsets[None, :]
     restored = (patches @ projector + means) * weight[:, None, None]
@@ -602,15 +601,13 @@ def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, str
 
 
 @interpreted
-@pytest.mark.parametrize("aggregation, planes, packed", [("weighted", None, False), ("uniform", 2, False),
-                                                         ("weighted", 2, True)])
-def test_box_path_gives_the_fused_kernels_result(kernels, monkeypatch, aggregation, planes, packed):
+@pytest.mark.parametrize("aggregation, planes", [("weighted", None), ("uniform", 2)])
+def test_box_path_gives_the_fused_kernels_result(kernels, monkeypatch, aggregation, planes):
     """Voxel demeaning on a full grid: the box sums (``auto``'s choice; in slabs too) denoise as the fused
     kernels do, the windows the settling pass redoes included (a wide slack makes it redo some)."""
-    from mppca_nipype.engine.gpu import boxsums, pipeline
+    from mppca_nipype.engine.gpu import pipeline
     from mppca_nipype.engine.gpu.pipeline import denoise_gpu, plan_slabs
 
-    monkeypatch.setattr(boxsums, "PACKED", packed)
     monkeypatch.setattr(pipeline, "SETTLE_SLACK", 3e3)
     monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 3e3)
 
@@ -859,6 +856,64 @@ def test_the_tridiagonal_kernels_settle_with_their_own_slack(kernels, monkeypatc
 
 
 @interpreted
+@pytest.mark.parametrize("path, aggregation, demean, planes", [("auto", "weighted", "voxel", None),
+                                                              ("fused", "uniform", "volume", 2)])
+def test_the_settling_pass_chosen_on_the_device_redoes_what_the_host_would(kernels, monkeypatch, path, aggregation,
+                                                                          demean, planes):
+    """The settling pass queued without the host (the windows to redo sorted first on the device, launches
+    sized for every window whose programs past the count return) gives what the pass chosen on the host
+    gives: the same windows redone, the same sums; with the box sums, and with the fused kernels in slabs."""
+    from mppca_nipype.engine.gpu import pipeline
+
+    monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 3e3)  # wide: some windows, not all, redone
+    noisy, _ = low_rank_phantom((9, 7, 8), n_volumes=15, rank=3, sigma=5.0, seed=21)
+    data, _, finite, plan, options = prepared(noisy, extent=(5, 3, 5), stride=2, estimator="exp2",
+                                              aggregation=aggregation, demean=demean)
+    run = dict(device="cpu", eigensolver="tridiagonal", path=path, planes=planes)
+    on_device = pipeline.denoise_gpu(data, finite, plan, options, **run)
+    monkeypatch.setattr(pipeline._PlanRun, "settles_on_device", lambda self, n_voxels, n_volumes: False)
+    on_host = pipeline.denoise_gpu(data, finite, plan, options, **run)
+    n_settled = on_device.info["n_settled_in_float64"]
+    assert n_settled == on_host.info["n_settled_in_float64"] and 0 < n_settled < plan.n_windows
+    assert on_device.info["gram_path"] == ("box" if path == "auto" else "fused")
+    for got, want in ((on_device.image, on_host.image), (on_device.weight, on_host.weight),
+                      (on_device.sigma, on_host.sigma), (on_device.rank, on_host.rank)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    assert np.abs(on_device.image).min() > 100  # real values compared
+
+
+@interpreted
+def test_counted_launches_compute_the_first_count_windows_as_whole_launches_do(kernels):
+    """``count`` (a device integer): the Gram kernel and the tridiagonal kernels give the first ``count``
+    windows what a launch without it gives (the pipeline reads nothing past the count)."""
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+
+    rng = np.random.default_rng(3)
+    n_rows, n_volumes, n_voxels, batch, count = 600, 12, 27, 9, 5
+    volume = torch.from_numpy((100 + 10 * rng.standard_normal((n_rows, n_volumes))).astype(np.float32))
+    finite = torch.ones(n_rows)
+    base = torch.from_numpy(rng.integers(0, n_rows - 200, batch))
+    offsets = torch.from_numpy((np.arange(n_voxels) * 7).astype(np.int32))
+    for demean in ("voxel", "volume"):
+        whole = kernels.gram(volume, finite, base, offsets, demean=demean, dtype=torch.float64)
+        first = kernels.gram(volume, finite, base, offsets, demean=demean, dtype=torch.float64,
+                             count=torch.tensor(count))
+        for got, want in zip(first, whole):
+            if want is not None:
+                np.testing.assert_array_equal(got[:count].numpy(), want[:count].numpy())
+    gram = whole[0]
+    rank = torch.from_numpy(rng.integers(1, 6, batch))
+    expected = TridiagonalEigh("cpu")
+    values = expected.values(gram.clone())[0]
+    projector = expected.projector(rank)
+    solver = TridiagonalEigh("cpu")
+    got_values = solver.values(gram.clone(), count=torch.tensor(count))[0]
+    got_projector = solver.projector(rank)
+    np.testing.assert_array_equal(got_values[:count].numpy(), values[:count].numpy())
+    np.testing.assert_array_equal(got_projector[:count].numpy(), projector[:count].numpy())
+
+
+@interpreted
 def test_undemeaned_float32_runs_take_the_mean_apart_and_match_cpu_backend(kernels):
     """dwidenoise's mode (no demeaning, centre aggregation) in float32 with the tridiagonal kernels: the
     Gram kernel returns the volume-demeaned Gram and the mean, the eigensolver takes n mu mu^T as a
@@ -914,16 +969,16 @@ def test_slab_planes_follow_the_free_device_memory(monkeypatch):
 def test_page_locked_pieces_are_page_aligned_and_cover_the_series(rows):
     """The series is page-locked in pieces whose inner bounds fall on page boundaries (two pieces never
     share a page) and which cover it in order; a series not aligned to its items is one piece."""
-    from mppca_nipype.engine.gpu.pipeline import PAGE_BYTES, PageLockedUpload
+    from mppca_nipype.engine.gpu.upload import PAGE_BYTES, piece_bounds
 
     series = np.zeros((rows, 48), np.float32)
-    bounds = PageLockedUpload(series, pieces=8).bounds
+    bounds = piece_bounds(series, pieces=8)
     assert bounds[0] == 0 and bounds[-1] == series.size and (np.diff(bounds) > 0).all()
     assert all((series.ctypes.data + 4 * bound) % PAGE_BYTES == 0 for bound in bounds[1:-1])
     if series.nbytes >= 16 * PAGE_BYTES:
         assert len(bounds) == 9
     unaligned = np.zeros(series.nbytes + 1, np.uint8)[1:].view(np.float32).reshape(series.shape)
-    assert PageLockedUpload(unaligned, pieces=8).bounds == [0, series.size]
+    assert piece_bounds(unaligned, pieces=8) == [0, series.size]
 
 
 @interpreted

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ..patches import window_positions
 from . import kernels
+from .upload import to_device
 
 #: Largest T the box sums take (their T x T tiles, and the per-window buffers of T^2 floats per line).
 MAX_VOLUMES = 64
@@ -46,28 +47,12 @@ BLOCK_Z = 16
 #: with "tf32x3"; reconstruction 2.17 ms with "ieee" vs 2.00 with "tf32x3"; the Gram 1.9e-6 from float64
 #: and the sums 1.2e-7 from the fused kernels' either way.
 DOT_PRECISION = dict(outer="ieee", apply="tf32x3")
-#: Keep each T x T block as its upper triangle, T (T + 1) / 2 floats (``packed_index``), in the scratch and
-#: in the spreads: half the memory and half the traffic of the sum and spread kernels (most of the box sums'
-#: time, which is memory-bound), at the cost of gathered loads in ``_apply_kernel`` and an unpacking of the
-#: Gram. Predicted on the seed's problem: Gram 1.26 -> ~0.8 ms, reconstruction 2.0 -> ~1.3 ms, scratch
-#: 1.7 -> 0.9 GiB. Opt-in until timed on a GPU (suite part x); interpreter-tested.
-PACKED = False
-
-
-@triton.jit
-def _block_offsets(i, j, n_volumes: tl.constexpr, PACKED: tl.constexpr):
-    """Offsets of the elements (i, j) of a symmetric T x T block stored whole (row-major) or as its upper
-    triangle (``packed_index``)."""
-    if PACKED:
-        low = tl.minimum(i, j)
-        return low * (2 * n_volumes - low - 1) // 2 + tl.maximum(i, j)
-    return i * n_volumes + j
 
 
 @triton.jit
 def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, n_windows, width, n_z: tl.constexpr,
-                       n_volumes: tl.constexpr, extent: tl.constexpr, DOT: tl.constexpr, PACKED: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+                       n_volumes: tl.constexpr, extent: tl.constexpr, DOT: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)  # the z-window varies fastest: neighbours share rows
     window = program % n_windows
     line = program // n_windows
@@ -81,11 +66,8 @@ def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, n_windows, width, n_z: t
     mean = tl.sum(x, axis=1) / n_volumes
     x = tl.where(valid, x - mean[:, None], 0.0)
     gram = tl.dot(tl.trans(x), x, input_precision=DOT)
-    stored = volume_valid[:, None] & volume_valid[None, :]
-    if PACKED:
-        stored &= t[:, None] <= t[None, :]
     out = out_ptr + (line * n_windows + window) * width
-    tl.store(out + _block_offsets(t[:, None], t[None, :], n_volumes, PACKED), gram, mask=stored)
+    tl.store(out + t[:, None] * n_volumes + t[None, :], gram, mask=volume_valid[:, None] & volume_valid[None, :])
 
 
 @triton.jit
@@ -104,12 +86,12 @@ def _range_sums_kernel(in_ptr, start_ptr, count_ptr, out_ptr, n_in_rows, n_out_r
 
 @triton.jit
 def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, weight_ptr, image_ptr,
-                  n_windows, width, n_z: tl.constexpr, n_volumes: tl.constexpr, extent: tl.constexpr,
-                  DOT: tl.constexpr, PACKED: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_T: tl.constexpr):
+                  first_line, n_windows, width, n_z: tl.constexpr, n_volumes: tl.constexpr, extent: tl.constexpr,
+                  DOT: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_T: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)
     n_blocks: tl.constexpr = (n_z + BLOCK_Z - 1) // BLOCK_Z
     block = program % n_blocks
-    line = program // n_blocks
+    line = first_line + program // n_blocks
     z = block * BLOCK_Z + tl.arange(0, BLOCK_Z)
     t = tl.arange(0, BLOCK_T)
     volume_valid = t < n_volumes
@@ -121,7 +103,7 @@ def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, w
     x = tl.where(valid, x - mean[:, None], 0.0)
     restored = tl.zeros((BLOCK_Z, BLOCK_T), dtype=tl.float32)
     tile = volume_valid[:, None] & volume_valid[None, :]
-    offsets = _block_offsets(t[:, None], t[None, :], n_volumes, PACKED)
+    offsets = t[:, None] * n_volumes + t[None, :]
     for window in range(tl.load(lowest_ptr + block), tl.load(highest_ptr + block)):
         z0 = tl.load(corner_ptr + window)
         inside = (z >= z0) & (z < z0 + extent)
@@ -143,28 +125,14 @@ def applies(plan, options, finite, n_volumes, dtype, fused) -> bool:
             and bool(np.all(finite)))
 
 
-def scratch_bytes(plan, n_volumes, planes=None, packed=None) -> int:
+def scratch_bytes(plan, n_volumes, planes=None) -> int:
     """Device memory the box sums of a slab of ``planes`` x-planes (default all) take beside the sums."""
     nx, ny, nz = plan.spatial_shape
     nx = min(nx, planes + plan.extent[0] - 1) if planes else nx
     a, b, c = (len(window_positions(s, e, plan.stride)) for s, e in zip((nx, ny, nz), plan.extent))
-    packed = PACKED if packed is None else packed
-    width = _block_width(n_volumes, packed)
-    # S1 (also R), S2 (also the x-spread), Q, in blocks; G whole (and packed first when packing)
-    blocks = nx * ny * c + nx * b * c + a * b * c * (2 if packed else 1)
-    return 4 * (blocks * width + a * b * c * n_volumes * n_volumes + 3 * nx * ny * nz)
-
-
-def _block_width(n_volumes, packed):
-    return n_volumes * (n_volumes + 1) // 2 if packed else n_volumes * n_volumes
-
-
-def packed_index(n_volumes):
-    """(T, T) int64: where each element of a symmetric T x T block lies in its upper triangle stored row by
-    row (i <= j: i (2 T - i - 1) / 2 + j), as ``_block_offsets`` computes it."""
-    i, j = np.meshgrid(np.arange(n_volumes), np.arange(n_volumes), indexing="ij")
-    low, high = np.minimum(i, j), np.maximum(i, j)
-    return low * (2 * n_volumes - low - 1) // 2 + high
+    # S1 (also R), S2 (also the x-spread), Q and G, in T x T blocks; the maps
+    blocks = nx * ny * c + nx * b * c + 2 * a * b * c
+    return 4 * (blocks * n_volumes * n_volumes + 3 * nx * ny * nz)
 
 
 def _cover(corners, extent, size):
@@ -176,19 +144,19 @@ def _cover(corners, extent, size):
 
 
 class BoxSums:
-    """One slab's windows (a full grid of corners) by box sums: ``gram`` (W, T, T) in the plan's window
-    order; then ``add_windows`` per batch (the weighted projectors and scalars), ``accumulate`` once."""
+    """One slab's windows (a full grid of corners) by box sums: ``gram(volume)`` (W, T, T) in the plan's
+    window order; then ``add_windows`` per batch (the weighted projectors and scalars), ``accumulate`` once.
+    The geometry's tables and the scratch are set up at construction, before the slab's (V, T) float32
+    ``volume`` need be on the device (its upload runs meanwhile)."""
 
-    def __init__(self, volume, plan, slab, dot_precision=None, packed=None):
+    def __init__(self, plan, slab, n_volumes, device, dot_precision=None):
         self.dot = dict(DOT_PRECISION, **(dot_precision or {}))  # per kernel: "outer", "apply"
         if set(self.dot) != set(DOT_PRECISION) or not set(self.dot.values()) <= set(kernels.DOT_PRECISIONS):
             raise ValueError(f"dot_precision maps 'outer' and 'apply' to one of {kernels.DOT_PRECISIONS}, "
                              f"not {dot_precision!r}")
-        device = volume.device
         _, ny, nz = plan.spatial_shape
         nx = slab.stop - slab.first
-        self.shape, self.extent, self.volume = (nx, ny, nz), plan.extent, volume
-        self.n_volumes = volume.shape[1]
+        self.shape, self.extent, self.n_volumes = (nx, ny, nz), plan.extent, n_volumes
         corner_x = np.unique(plan.window_corner[slab.windows, 0]) - slab.first
         corners = [corner_x] + [window_positions(s, e, plan.stride) for s, e in zip((ny, nz), plan.extent[1:])]
         self.grid = tuple(len(c) for c in corners)
@@ -196,7 +164,7 @@ class BoxSums:
             raise ValueError("the box sums take a slab whose windows are a full grid")
 
         def on_device(*arrays):
-            return tuple(torch.from_numpy(np.asarray(a, dtype=np.int32)).to(device) for a in arrays)
+            return tuple(to_device(np.asarray(a, dtype=np.int32), device) for a in arrays)
 
         # per axis, the runs of rows each sum reads: a window's extent of rows from its corner (Gram); the run
         # of windows holding a row (the reconstruction's spread)
@@ -209,42 +177,46 @@ class BoxSums:
         highest = np.searchsorted(corners[2], stops - 1, side="right")
         self.z_blocks = on_device(lowest, highest)
         a, b, c = self.grid
-        self.packed = PACKED if packed is None else packed
-        self.width = _block_width(self.n_volumes, self.packed)  # floats per T x T block
-        if self.packed:  # block element -> its place in the triangle; the triangle's elements in the block
-            index = packed_index(self.n_volumes)
-            self.unpack = torch.from_numpy(index.reshape(-1)).to(device)
-            i, j = np.triu_indices(self.n_volumes)
-            self.pack = torch.from_numpy(i * self.n_volumes + j).to(device)
+        self.width = self.n_volumes ** 2  # floats per T x T block
         self.projectors = torch.zeros((a * b * c, self.width), dtype=torch.float32, device=device)
         self.scalars = torch.zeros((a * b * c, 3), dtype=torch.float32, device=device)
         self._lines = torch.empty((nx * ny * c, self.width), dtype=torch.float32, device=device)  # S1, then R
         self._planes = torch.empty((nx * b * c, self.width), dtype=torch.float32, device=device)  # S2, x-spread
 
-    def gram(self):
-        """The Gram matrices (W, T, T) float32 of every window, in the plan's order (x, then y, then z)."""
+    def gram(self, volume):
+        """The Gram matrices (W, T, T) float32 of every window, in the plan's order (x, then y, then z), of
+        the slab's ``volume`` (its rows, (V, T) float32)."""
         (nx, ny, nz), ez, (a, b, c), width = self.shape, self.extent[2], self.grid, self.width
         m = self.n_volumes
         z_corners = self.windows[2][0]
-        _outer_sums_kernel[(c * nx * ny,)](self.volume, z_corners, self._lines, c, width, nz, m, ez,
-                                         DOT=self.dot["outer"], PACKED=self.packed,
+        _outer_sums_kernel[(c * nx * ny,)](volume, z_corners, self._lines, c, width, nz, m, ez,
+                                         DOT=self.dot["outer"],
                                          BLOCK_E=max(16, triton.next_power_of_2(ez)),
                                          BLOCK_T=kernels.block_volumes(m), num_warps=4)
         _range_sums(self._lines, self.windows[1], self._planes, nx, ny, b, c * width)
-        gram = torch.empty((a * b * c, width), dtype=torch.float32, device=self.volume.device)
+        gram = torch.empty((a * b * c, width), dtype=torch.float32, device=volume.device)
         _range_sums(self._planes, self.windows[0], gram, 1, nx, a, b * c * width)
-        if self.packed:
-            gram = gram.index_select(1, self.unpack)
         return gram.view(a * b * c, m, m)
 
-    def add_windows(self, windows: slice, projector, weight, sigma, rank):
-        """A batch's projectors (B, T, T) and its windows' weight, sigma and rank (B,), for ``accumulate``."""
+    def add_windows(self, windows, projector, weight, sigma, rank, written=None):
+        """A batch's projectors (B, T, T) and its windows' weight, sigma and rank (B,), for ``accumulate``:
+        ``windows`` a slice of the slab's windows, or a (B,) tensor of their places (distinct) of which, with
+        ``written`` ((B,) bool), only those marked replace what an earlier batch gave (the settling pass:
+        the others hold no window, their numbers anything)."""
         weighted = (projector * weight[:, None, None]).reshape(len(weight), -1)
-        self.projectors[windows] = weighted.index_select(1, self.pack) if self.packed else weighted
-        self.scalars[windows] = torch.stack((weight, weight * sigma, weight * rank), dim=1)
+        scalars = torch.stack((weight, weight * sigma, weight * rank), dim=1)
+        if written is not None:
+            weighted = torch.where(written[:, None], weighted, self.projectors[windows])
+            scalars = torch.where(written[:, None], scalars, self.scalars[windows])
+        self.projectors[windows] = weighted
+        self.scalars[windows] = scalars
 
-    def accumulate(self, image, weight, sigma, rank):
-        """Add every window's w (X_c P + mean) into ``image`` (V, T) and w, w sigma, w rank into the maps (V,)."""
+    def accumulate(self, volume, image, weight, sigma, rank, planes_per_piece=None, on_final=None):
+        """Add every window's w (X_c P + mean) of the slab's ``volume`` into ``image`` (V, T) and w, w sigma,
+        w rank into the maps (V,).
+        The last step (each voxel's row) runs in pieces of ``planes_per_piece`` x-planes (default all), each
+        followed by ``on_final(stop)``: the rows before ``stop`` hold their sums (a caller's download of them
+        can run beside the next piece)."""
         (nx, ny, nz), (a, b, c), width = self.shape, self.grid, self.width
         _range_sums(self.projectors, self.cover[0], self._planes, 1, a, nx, b * c * width)
         _range_sums(self._planes, self.cover[1], self._lines, nx, b, ny, c * width)
@@ -254,12 +226,19 @@ class BoxSums:
         _range_sums(maps, self.cover[1], lines, nx, b, ny, c * 3)
         voxels = torch.empty((nx * ny * nz, 3), dtype=torch.float32, device=image.device)
         _range_sums(lines, self.cover[2], voxels, nx * ny, c, nz, 3)
-        _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * nx * ny,)](
-            self.volume, self._lines, self.windows[2][0], *self.z_blocks, voxels[:, 0].contiguous(), image, c, width,
-            nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], PACKED=self.packed, BLOCK_Z=BLOCK_Z,
-            BLOCK_T=kernels.block_volumes(self.n_volumes), num_warps=4)
-        for target, column in zip((weight, sigma, rank), voxels.unbind(dim=1)):
-            target += column
+        voxel_weight = voxels[:, 0].contiguous()
+        step = planes_per_piece or nx
+        for x0 in range(0, nx, step):
+            x1 = min(x0 + step, nx)
+            _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * (x1 - x0) * ny,)](
+                volume, self._lines, self.windows[2][0], *self.z_blocks, voxel_weight, image, x0 * ny, c,
+                width, nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], BLOCK_Z=BLOCK_Z,
+                BLOCK_T=kernels.block_volumes(self.n_volumes), num_warps=4)
+            rows = slice(x0 * ny * nz, x1 * ny * nz)
+            for target, column in zip((weight, sigma, rank), voxels[rows].unbind(dim=1)):
+                target[rows] += column
+            if on_final is not None:
+                on_final(rows.stop)
 
 
 def _range_sums(source, runs, out, n_outer, n_source_rows, n_out_rows, width):

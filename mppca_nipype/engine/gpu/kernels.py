@@ -114,10 +114,13 @@ def _gram_chunk(volume_ptr, finite_ptr, voxel_offsets_ptr, base, start, t, volum
 
 @triton.jit
 def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gram_ptr, n_took_part_ptr,
-                 volume_mean_ptr, n_voxels: tl.constexpr, n_volumes: tl.constexpr,
-                 DEMEAN: tl.constexpr, FP64: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_T: tl.constexpr):
+                 volume_mean_ptr, count_ptr, n_voxels: tl.constexpr, n_volumes: tl.constexpr,
+                 DEMEAN: tl.constexpr, FP64: tl.constexpr, DOT: tl.constexpr, COUNTED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     window = tl.program_id(0)
+    if COUNTED:  # only the first *count_ptr windows are asked for
+        if window >= tl.load(count_ptr):
+            return
     base = tl.load(window_base_ptr + window)  # int64: corner row of this window
     t = tl.arange(0, BLOCK_T)
     volume_valid = t < n_volumes
@@ -164,10 +167,13 @@ def _check_demean(demean):
         raise ValueError(f"demean must be one of {DEMEANING}, not {demean!r}")
 
 
-def gram(volume, finite, window_base, voxel_offsets, *, demean: str, dtype=torch.float32, dot_precision=None):
+def gram(volume, finite, window_base, voxel_offsets, *, demean: str, dtype=torch.float32, dot_precision=None,
+         count=None):
     """Gram matrices X_c^T X_c (B, T, T) of the windows at ``window_base``, their voxels taking part (B,)
     and, for ``demean="volume"``, each patch's mean time course (B, T) float32 (else None).
-    ``dot_precision``: one of ``DOT_PRECISIONS`` (default ``DOT_PRECISION["gram"]``).
+    ``dot_precision``: one of ``DOT_PRECISIONS`` (default ``DOT_PRECISION["gram"]``). ``count`` (a device
+    integer tensor of one element): only the first ``count`` windows are computed, the rest left unwritten
+    (a batch sized before the device knows how many windows it holds, with no synchronisation).
 
     ``window_base`` (B,) int64: corner row of each window; ``voxel_offsets`` (n,) int32: rows from the
     corner. ``demean``: "none", "voxel" (remove each voxel's temporal mean) or "volume" (remove the mean
@@ -187,8 +193,9 @@ def gram(volume, finite, window_base, voxel_offsets, *, demean: str, dtype=torch
                    if demean == "volume" else None)
     if batch:
         _gram_kernel[(batch,)](volume, finite, window_base, voxel_offsets, out, n_took_part,
-                               _or_placeholder(volume_mean, volume), n_voxels, n_volumes, DEMEAN=demean,
-                               FP64=dtype == torch.float64, DOT=_dot_precision("gram", dot_precision, dtype),
+                               _or_placeholder(volume_mean, volume), n_took_part if count is None else count,
+                               n_voxels, n_volumes, DEMEAN=demean, FP64=dtype == torch.float64,
+                               DOT=_dot_precision("gram", dot_precision, dtype), COUNTED=count is not None,
                                BLOCK_N=_block_voxels(n_volumes),
                                BLOCK_T=block_volumes(n_volumes), num_warps=4)
     return out, n_took_part, volume_mean

@@ -71,6 +71,7 @@ import torch
 from ..estimators import aggregation_weights, marchenko_pastur_threshold
 from . import boxsums, kernels
 from .eigh import BatchedEigh, ProjectorFromVectors
+from .upload import PageLockedSeries, to_device
 from .threshold import threshold_on_device
 from .tridiagonal import MAX_ORDER as TRIDIAGONAL_MAX_ORDER, TridiagonalEigh
 
@@ -217,76 +218,6 @@ def run_in_batches(n_items, step, run, *, min_batch=None, on_batch=None, on_retr
     return results, step, retries
 
 
-#: Pieces the caller's series is page-locked in, each just before its rows are uploaded (``PageLockedUpload``).
-PIN_PIECES = 8
-#: Page size for the pieces' bounds (a page-locked range must not share a page with another).
-PAGE_BYTES = 4096
-
-
-def _pin(address, nbytes):
-    """Page-lock host memory in place (``cudaHostRegister``); True if that worked."""
-    try:
-        code = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-        return int(getattr(code, "value", code)) == 0
-    except Exception:  # noqa: BLE001 - pageable copies still work, only slower
-        return False
-
-
-class PageLockedUpload:
-    """Uploads of row ranges of the caller's contiguous (V, T) float32 series, page-locked in place piece by
-    piece (``PIN_PIECES`` page-aligned pieces) just before a piece's first copy, so that the asynchronous copy
-    of one piece runs while the next is locked; ``release()`` unlocks them once the copies are done (called
-    while the device computes the first pass). Page-locking costs more than the copy itself (measured on
-    the H200's host, 81 MB: 4.3 ms to lock and unlock, 1.6 ms to copy). Pieces that cannot be locked (an
-    unaligned series, or the driver refuses) are copied from pageable memory, synchronously."""
-
-    def __init__(self, series, pieces=PIN_PIECES):
-        self.n_volumes = series.shape[1]
-        self.flat = series.reshape(-1)
-        start, size = series.ctypes.data, series.itemsize
-        bounds = [0]
-        if start % size == 0:
-            for k in range(1, pieces):
-                aligned = -(-(start + series.nbytes * k // pieces) // PAGE_BYTES) * PAGE_BYTES
-                element = (aligned - start) // size
-                if bounds[-1] < element < self.flat.size:
-                    bounds.append(element)
-        self.bounds = bounds + [self.flat.size]
-        self.locked = [None] * (len(self.bounds) - 1)  # per piece: None (not tried yet), True, False (failed)
-        self.done = None  # event after the last copy queued
-
-    def upload(self, rows, device, stream=None):
-        """Rows ``rows`` (a slice) of the series on ``device``, copied on ``stream`` (default: the current)."""
-        first, stop = rows.start * self.n_volumes, rows.stop * self.n_volumes
-        out = torch.empty((rows.stop - rows.start, self.n_volumes), dtype=torch.float32, device=device)
-        flat_out = out.reshape(-1)
-        stream = stream or torch.cuda.current_stream(device)
-        with torch.cuda.stream(stream):
-            for piece, locked in enumerate(self.locked):
-                low, high = max(first, self.bounds[piece]), min(stop, self.bounds[piece + 1])
-                if low >= high:
-                    continue
-                if locked is None:
-                    part = self.flat[self.bounds[piece]:self.bounds[piece + 1]]
-                    self.locked[piece] = locked = _pin(part.ctypes.data, part.nbytes)
-                flat_out[low - first:high - first].copy_(torch.from_numpy(self.flat[low:high]), non_blocking=locked)
-            self.done = torch.cuda.Event()
-            self.done.record(stream)
-        return out
-
-    def release(self, wait=True):
-        """Unlock the locked pieces, once the copies queued so far are done (``wait``; without it the caller
-        has made sure that no copy is still reading them). ``cudaHostUnregister`` itself waits until the
-        device is idle (sixth session's timeline: the first unlock returned when the first pass ended); on a
-        thread of its own the seed's run took 19.2 vs 19.4 ms, so it stays here."""
-        if wait and self.done is not None:
-            self.done.synchronize()
-        for piece, locked in enumerate(self.locked):
-            if locked:
-                torch.cuda.cudart().cudaHostUnregister(self.flat[self.bounds[piece]:].ctypes.data)
-                self.locked[piece] = None
-
-
 @dataclass(frozen=True)
 class Slab:
     """A run of the plan's windows (``windows``, by corner x) and the x-planes they touch: from ``first`` to
@@ -325,6 +256,12 @@ def slab_planes(device, plan, n_volumes: int) -> int:
         return nx
     per_plane = ny * nz * (12 * n_volumes + 24)  # and the next slab's series and finite rows
     return max(1, int(budget // per_plane) - (plan.extent[0] - 1))
+
+
+#: Pieces along x in which the box sums' last step runs when nothing is added after it: each piece's rows
+#: are divided and downloaded while the next one computes (the seed's 81 MB took 1.5 ms to download after
+#: the reconstruction's 2 ms, sixth session's timeline).
+FINAL_PIECES = 8
 
 
 def _box_fits(device, plan, n_volumes, slab) -> bool:
@@ -439,89 +376,89 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
         raise ValueError(f"path must be one of {PATHS}, not {path!r}")
     started = time.perf_counter()
     device = torch.device(device or "cuda")
-    if device.type == "cuda":
+    on_gpu = device.type == "cuda"
+    timeline = _Timeline(device)
+    if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
     n_volumes = data.shape[3]
-    host_volume = np.ascontiguousarray(data.reshape(-1, n_volumes))
+    host_volume = np.ascontiguousarray(data.reshape(-1, n_volumes), dtype=np.float32)
     host_finite = np.ascontiguousarray(finite.reshape(-1), dtype=np.float32)
-    on_gpu = device.type == "cuda"
-    series = PageLockedUpload(host_volume) if on_gpu else None
-    run = _PlanRun(plan, options, device, path, precision, max_batch, settle, eigensolver, n_volumes)
-    slabs = plan_slabs(plan, planes or slab_planes(device, plan, n_volumes))
-    outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=on_gpu)
-               for shape in ((len(host_volume), n_volumes),) + ((len(host_volume),),) * 3]
-    copies = torch.cuda.Stream(device) if on_gpu and len(slabs) > 1 else None
     every_voxel_finite = bool(host_finite.all())
+    slabs = plan_slabs(plan, planes or slab_planes(device, plan, n_volumes))
+    # the series' copies on a stream of their own: the run's set-up work queued meanwhile does not wait for them
+    copies = torch.cuda.Stream(device) if on_gpu else None
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
+    series = PageLockedSeries(host_volume) if on_gpu else None
 
     def upload(slab):
-        """The slab's series and finite flags on the device (on the copy stream when there are several
-        slabs, with the event that says the copy is done)."""
+        """Start the slab's series and finite flags on their way to the device (the series on the copy stream)."""
         rows = slice(slab.first * plane, slab.stop * plane)
-        finite_rows = torch.from_numpy(host_finite[rows])
-        if every_voxel_finite:  # filled on the device: no pageable copy queued behind the series' copies
-            finite_rows = torch.ones(len(finite_rows), dtype=torch.float32, device=device)
         if not on_gpu:
-            return (torch.from_numpy(host_volume[rows]).to(device), finite_rows.to(device)), None
-        stream = copies or torch.cuda.current_stream(device)
-        with torch.cuda.stream(stream):
-            on_device = series.upload(rows, device, stream), finite_rows.to(device, non_blocking=True)
-        if copies is None:
-            return on_device, None
-        ready = torch.cuda.Event()
-        ready.record(copies)
-        return on_device, ready
+            return torch.from_numpy(host_volume[rows]).to(device), torch.from_numpy(host_finite[rows]).to(device)
+        with torch.cuda.stream(copies):
+            rows_on_the_way = series.upload(rows, device, copies)
+        if every_voxel_finite:  # filled on the device, no copy
+            return rows_on_the_way, torch.ones(rows.stop - rows.start, dtype=torch.float32, device=device)
+        return rows_on_the_way, to_device(host_finite[rows], device)
+
+    uploads = {}  # slab number -> what ``upload`` returned
+
+    def rows_of(number):
+        """Slab ``number``'s series and finite flags, for work queued on the current stream from now on; called
+        once the slab's tables are set up. The next slab's upload starts here, to run beside this one's work."""
+        if number + 1 < len(slabs):
+            uploads[number + 1] = upload(slabs[number + 1])
+        if not on_gpu:
+            return uploads.pop(number)
+        rows_on_the_way, finite_rows = uploads.pop(number)
+        return rows_on_the_way.wait(torch.cuda.current_stream(device)), finite_rows
 
     carried, done_windows = None, 0
     report = (lambda done: progress(done_windows + done, plan.n_windows)) if progress else None
     try:
-        uploaded = upload(slabs[0])
+        # the uploader thread locks and copies while this one sets the run up (measured on the H200's host,
+        # seventh session: the seed's first kernel at 6.8 ms this way, at 11.7 ms with the set-up first)
+        uploads[0] = upload(slabs[0])
+        run = _PlanRun(plan, options, device, path, precision, max_batch, settle, eigensolver, n_volumes)
+        outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=on_gpu)
+                   for shape in ((len(host_volume), n_volumes),) + ((len(host_volume),),) * 3]
+        downloads = torch.cuda.Stream(device) if on_gpu else None
+        timeline.mark("set up")
         for number, slab in enumerate(slabs):
-            (volume, finite_rows), ready = uploaded
-            if number + 1 < len(slabs):
-                uploaded = upload(slabs[number + 1])  # overlaps this slab's work
-            if ready is not None:
-                stream = torch.cuda.current_stream(device)
-                stream.wait_event(ready)
-                volume.record_stream(stream)
-                finite_rows.record_stream(stream)
-            sums = _SlabSums(len(finite_rows), n_volumes, device, carried)
-            # once every upload is queued, the series is unlocked while the device computes the first pass
-            every_upload_queued = series is not None and number + 2 >= len(slabs)
-            run.slab(slab, volume, finite_rows, sums, report, data, finite,
-                     before_waiting=series.release if every_upload_queued else None)
-            done_windows = slab.windows.stop
+            sums = _SlabSums((slab.stop - slab.first) * plane, n_volumes, device, carried)
             final = (slab.done - slab.first) * plane
+            finisher = _Finisher(sums, outputs, slab.first * plane, final, normalize, downloads)
+            run.slab(slab, lambda: rows_of(number), sums, report, data, finite, on_final=finisher.up_to,
+                     timeline=timeline)
+            done_windows = slab.windows.stop
+            finisher.up_to(final)
             carried = sums.tail(final)
-            if normalize:
-                sums.divide(final)
-            first = slab.first * plane
-            for host, values in zip(outputs, sums.tensors()):
-                host[first:first + final].copy_(values[:final], non_blocking=on_gpu)
+        run.download_counts()
+        timeline.mark("all queued")
         if on_gpu:
-            torch.cuda.current_stream(device).synchronize()
-            peak = torch.cuda.max_memory_allocated(device)
+            downloaded = torch.cuda.Event()
+            downloaded.record(downloads)
+            torch.cuda.current_stream(device).wait_event(downloaded)
+            torch.cuda.current_stream(device).synchronize()  # the run's one wait, unless a pass needed the host
+            timeline.mark("done")
+            # (max_memory_allocated flattens every statistic into a dict in Python: 161 calls, seventh session)
+            peak = torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"]
             device_name = torch.cuda.get_device_name(device)
         else:
             peak, device_name = 0, "cpu (Triton interpreter)"
     finally:
-        if series is not None:  # no copy may still read the pages when they are unlocked (also after an error)
-            try:
-                torch.cuda.current_stream(device).synchronize()
-                if copies is not None:
-                    copies.synchronize()
-            except Exception:  # noqa: BLE001 - the error on its way up says more than this one
-                pass
-            series.release(wait=False)
+        if series is not None:  # unlocked on the uploader thread once its copies are done (after an error too)
+            series.release()
     image, weight, sigma, rank = (x.numpy() for x in outputs)
     return PatchSums(image, weight, sigma, rank, normalized=normalize,
                      info=dict(backend="gpu", device=device_name, eigensolver=run.solver.backend,
                                gram_precision=str(run.dtype).replace("torch.", ""),
                                gram_path=run.gram_path, batch=run.step,
                                out_of_memory_retries=run.retries, n_slabs=len(slabs),
-                               n_settled_in_float64=run.n_settled, n_redone_on_cpu=run.n_redone_on_cpu,
+                               n_settled_in_float64=run.settled(), n_redone_on_cpu=run.n_redone_on_cpu,
                                eigenvalues_refined=bool(run.refine), mean_taken_apart=run.mean_apart,
-                               gpu_peak_bytes=int(peak), seconds_engine=time.perf_counter() - started))
+                               gpu_peak_bytes=int(peak), seconds_engine=time.perf_counter() - started,
+                               timeline_ms=timeline.milliseconds()))
 
 
 class _SlabSums:
@@ -543,13 +480,13 @@ class _SlabSums:
         """The sums of rows ``start`` on (the halo a next slab goes on adding into), or None if there are none."""
         return tuple(x[start:].clone() for x in self.tensors()) if start < len(self.weight) else None
 
-    def divide(self, stop):
-        """Values instead of sums in rows before ``stop``: 0 where no patch served the voxel (its sums are 0)."""
-        weight = self.weight[:stop]
+    def divide(self, rows: slice):
+        """Values instead of sums in ``rows``: 0 where no patch served the voxel (its sums are 0)."""
+        weight = self.weight[rows]
         divisor = torch.where(weight > 0, weight, torch.ones_like(weight))
-        self.image[:stop] /= divisor[:, None]
-        self.sigma[:stop] /= divisor
-        self.rank[:stop] /= divisor
+        self.image[rows] /= divisor[:, None]
+        self.sigma[rows] /= divisor
+        self.rank[rows] /= divisor
 
     def add(self, rows, image, weight, sigma, rank, replace=False):
         """Add host-computed values into rows (or, with ``replace``, write them: centre aggregation)."""
@@ -560,6 +497,65 @@ class _SlabSums:
                 sums[index] = values
             else:
                 sums.index_add_(0, index, values)
+
+
+class _Timeline:
+    """Where a run's host and device are at its steps: ``mark(step)`` notes the host's time and, on a GPU,
+    records an event on the device's current stream; ``milliseconds()`` (after the final synchronisation)
+    gives [step, host ms, device ms] from the start, the device's being when it reached the step's event. A
+    few events per slab: timings without a profiler (``info["timeline_ms"]``; the suite reads them)."""
+
+    def __init__(self, device):
+        self.device, self.started, self.steps = device, time.perf_counter(), []
+        self.start_event = self._event()
+
+    def _event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def mark(self, step):
+        self.steps.append((step, time.perf_counter(), self._event()))
+
+    def milliseconds(self):
+        return [[step, round((at - self.started) * 1e3, 3),
+                 round(self.start_event.elapsed_time(event), 3) if event is not None else None]
+                for step, at, event in self.steps]
+
+
+class _Finisher:
+    """A slab's rows before ``final`` divided by their weights (with ``normalize``) and copied into the host
+    ``outputs`` from row ``first`` on, as they get their last addition (``up_to``): on the GPU, downloaded
+    on the ``downloads`` stream while the device goes on computing."""
+
+    def __init__(self, sums, outputs, first, final, normalize, downloads):
+        self.sums, self.outputs, self.first, self.final = sums, outputs, first, final
+        self.normalize, self.downloads, self.done = normalize, downloads, 0
+        if downloads is not None:
+            for values in sums.tensors():  # read by the downloads: not reused before they are done
+                values.record_stream(downloads)
+
+    def up_to(self, stop):
+        """Finish the rows from the last call's ``stop`` up to ``stop`` (at most ``final``)."""
+        rows = slice(self.done, min(stop, self.final))
+        if rows.stop <= rows.start:
+            return
+        if self.normalize:
+            self.sums.divide(rows)
+        targets = [host[self.first + rows.start:self.first + rows.stop] for host in self.outputs]
+        if self.downloads is None:
+            for target, values in zip(targets, self.sums.tensors()):
+                target.copy_(values[rows])
+        else:
+            divided = torch.cuda.Event()
+            divided.record(torch.cuda.current_stream(self.downloads.device))
+            self.downloads.wait_event(divided)
+            with torch.cuda.stream(self.downloads):
+                for target, values in zip(targets, self.sums.tensors()):
+                    target.copy_(values[rows], non_blocking=True)
+        self.done = rows.stop
 
 
 class _PlanRun:
@@ -577,22 +573,50 @@ class _PlanRun:
         self.mean_apart = False  # set with the Gram path: float32 first pass of an undemeaned run, fused, tridiagonal
         self.refine = 0  # block size of the refinement, set with the Gram path (0: no refinement)
         self.window_base = plan.window_base()
-        self.voxel_offsets = torch.from_numpy(plan.voxel_offsets.astype(np.int32)).to(device)
+        self.voxel_offsets = to_device(plan.voxel_offsets.astype(np.int32), device)
         self.step, self.retries, self.n_settled, self.n_redone_on_cpu = 0, 0, 0, 0
+        self.settled_on_device = []  # per slab settled on the device: how many windows it redid (device scalars)
+        self._settled_counts = None  # their copies on the host (``download_counts``)
         self.fused = None
         self.takes_box_sums = None  # whether the first pass may take ``boxsums``, set with the Gram path
         self.n_box_slabs = 0
+
+    def download_counts(self):
+        """Queue the copy of the device's counts of redone windows to the host (no wait: ``settled`` reads
+        them once the device is done)."""
+        if self.settled_on_device:
+            counts = torch.stack(self.settled_on_device)
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=counts.is_cuda)
+            self._settled_counts = host.copy_(counts, non_blocking=True)
+
+    def settled(self) -> int:
+        """Windows redone in float64 (after ``download_counts`` and the device's last work)."""
+        on_device = int(self._settled_counts.sum()) if self._settled_counts is not None else 0
+        return self.n_settled + on_device
+
+    def settles_on_device(self, n_voxels, n_volumes) -> bool:
+        """Whether the settling pass can run with no synchronisation (``_settle_on_device``): a float32 first
+        pass settled by the fused kernels in float64 and the tridiagonal kernels (which cannot fail, so
+        nothing is left for the CPU), weighted or uniform aggregation (centre rows are chosen on the host)."""
+        return (self.settle and not self.refine and not self.center and self.path != "gather"
+                and isinstance(self.solver, TridiagonalEigh)
+                and kernels.fused_fits(n_voxels, n_volumes, torch.float64))
 
     @property
     def gram_path(self):
         """How the first pass's Gram matrices were computed: "box" (in some slab), "fused" or "gather"."""
         return "box" if self.n_box_slabs else "fused" if self.fused else "gather"
 
-    def slab(self, slab, volume, finite, sums, report, data, finite_host, before_waiting=None):
+    def slab(self, slab, arrive, sums, report, data, finite_host, on_final=None, timeline=None):
         """All the windows of one slab: a first pass in the Gram precision, then (float32) the windows it
         could not settle and those whose eigensolve failed in float64, then what failed again on the CPU.
-        ``before_waiting()``, if given, runs once the first pass is queued, before the host waits for it."""
-        plan, n_volumes, n_voxels = self.plan, volume.shape[1], self.plan.patch_size
+        ``arrive()`` gives the slab's series and finite flags on the device; it is called once the slab's
+        tables are set up (their upload runs meanwhile). Queued without waiting for the device where
+        ``settles_on_device``; else one synchronisation after the first pass. With the box sums and the
+        settling pass on the device, ``on_final(stop)`` is called as the slab's rows before ``stop`` get
+        their last addition (else the caller finishes them after). ``timeline`` (``_Timeline``) marks the steps."""
+        plan, n_volumes, n_voxels = self.plan, sums.image.shape[1], self.plan.patch_size
+        mark = timeline.mark if timeline is not None else lambda step: None
         if self.fused is None:
             self.fused = self.path in ("fused", "box") or (self.path == "auto"
                                                   and kernels.fused_fits(n_voxels, n_volumes, self.dtype))
@@ -612,13 +636,18 @@ class _PlanRun:
                                  "and every voxel finite")
         w0, w1 = slab.windows.start, slab.windows.stop
         if w1 == w0:
+            arrive()
             return
         row0 = slab.first * plan.spatial_shape[1] * plan.spatial_shape[2]
         box = None
         if self.takes_box_sums and (self.path == "box" or _box_fits(self.device, plan, n_volumes, slab)):
-            box = boxsums.BoxSums(volume, plan, slab)
+            box = boxsums.BoxSums(plan, slab, n_volumes, self.device)
             self.n_box_slabs += 1
-        context = _SlabContext(self, slab, volume, finite, sums, row0, box)
+        context = _SlabContext(self, slab, sums, row0, box)
+        mark("slab set up")
+        rows = arrive()
+        mark("rows arrived")
+        context.start(*rows)
         step = self.step or batch_size(self.device, w1 - w0, n_voxels, n_volumes, self.dtype, self.fused,
                                        self.solver, self.max_batch, self.refine)
         verdicts, self.step, retries = run_in_batches(
@@ -626,16 +655,19 @@ class _PlanRun:
                                                       self.refine),
             on_batch=report, on_retry=self.solver.release_workspaces)
         self.retries += retries
-        if box is not None:  # the first pass's reconstruction, all at once
-            box.accumulate(*sums.tensors())
-            context.box = context.box_gram = None
+        context.box_gram = None  # the first pass is done with it
+        mark("first pass queued")
 
-        # one look at the verdicts, after all the work is queued
-        if before_waiting is not None:
-            before_waiting()
         redo = torch.cat([info for info, _ in verdicts]) != 0
         if self.settle:
             redo |= torch.cat([left for _, left in verdicts])
+        if self.settles_on_device(n_voxels, n_volumes):
+            self._settle_on_device(context, redo)
+            mark("settling pass queued")
+            context.accumulate_box(on_final)
+            mark("reconstruction queued")
+            return
+        # one look at the verdicts, after all the work is queued
         redo = torch.nonzero(redo).reshape(-1).cpu().numpy()
         failed = redo
         if self.settle and len(redo):
@@ -648,34 +680,75 @@ class _PlanRun:
                 on_retry=self.solver.release_workspaces)
             self.retries += retries
             failed = redo[torch.nonzero(torch.cat([info for info, _ in verdicts]) != 0).reshape(-1).cpu().numpy()]
+        context.accumulate_box()
         if len(failed):
             self.n_redone_on_cpu += len(failed)
             rows, values, replace = _cpu_contributions(data, finite_host, plan, self.options, failed + w0)
             sums.add(rows - row0, *values, replace=replace)
 
+    def _settle_on_device(self, context, redo):
+        """The settling pass without the host: the windows to redo (``redo`` (W,) bool on the device) sorted
+        first, their number left on the device, and float64 batches over all the slab's places whose kernels
+        return at once past that number (each launch sized for every window, the work for the few redone)."""
+        count = redo.sum()
+        order = torch.argsort(redo.to(torch.int8), descending=True, stable=True)
+        self.settled_on_device.append(count)
+        n_voxels, n_volumes = self.plan.patch_size, context.volume.shape[1]
+        step = batch_size(self.device, len(redo), n_voxels, n_volumes, torch.float64, True, self.solver,
+                          self.max_batch)
+        _, _, retries = run_in_batches(
+            len(redo), step, lambda a, b: context.batch(_Chosen(order[a:b], (count - a).clamp(0, b - a)),
+                                                        torch.float64, True, False),
+            on_retry=self.solver.release_workspaces)
+        self.retries += retries
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    """A batch of a slab's windows chosen on the device: ``index`` (B,) their places in the slab, of which the
+    first ``count`` (a device integer) are to be run; the kernels skip the rest."""
+
+    index: torch.Tensor
+    count: torch.Tensor
+
 
 class _SlabContext:
     """One slab's windows on the device: their corner rows within the slab, multiplicities, centres; and with
-    ``box`` (``boxsums.BoxSums``) the first pass's Gram matrices of all of them."""
+    ``box`` (``boxsums.BoxSums``) the first pass's Gram matrices of all of them, and every pass's projectors
+    until ``accumulate_box`` reconstructs them all at once."""
 
-    def __init__(self, run, slab, volume, finite, sums, row0, box=None):
+    def __init__(self, run, slab, sums, row0, box=None):
         device, plan = run.device, run.plan
-        self.run, self.volume, self.finite, self.sums = run, volume, finite, sums
-        self.box = box
-        self.box_gram = box.gram() if box is not None else None
+        self.run, self.sums, self.box = run, sums, box
+        self.volume = self.finite = self.box_gram = None  # once the slab's rows are there (``start``)
         windows = slab.windows
-        self.base = torch.from_numpy(run.window_base[windows] - row0).to(device)
-        self.multiplicity = torch.from_numpy(plan.multiplicity[windows].astype(np.float64)).to(device)
+        self.base = to_device(run.window_base[windows] - row0, device)
+        self.multiplicity = to_device(plan.multiplicity[windows].astype(np.float64), device)
         if run.center:
             a, b = np.searchsorted(plan.centre_window, [windows.start, windows.stop])
             self.centre_window_host = plan.centre_window[a:b] - windows.start
-            self.centre_voxel = torch.from_numpy((plan.centre_voxel[a:b] - row0).astype(np.int64)).to(device)
-            self.centre_window = torch.from_numpy(self.centre_window_host.astype(np.int32)).to(device)
-            self.centre_position = torch.from_numpy(plan.centre_position[a:b].astype(np.int64)).to(device)
+            self.centre_voxel = to_device((plan.centre_voxel[a:b] - row0).astype(np.int64), device)
+            self.centre_window = to_device(self.centre_window_host.astype(np.int32), device)
+            self.centre_position = to_device(plan.centre_position[a:b].astype(np.int64), device)
+
+    def start(self, volume, finite):
+        """The slab's series (rows, T) and finite flags (rows,) on the device: the batches may run."""
+        self.volume, self.finite = volume, finite
+        if self.box is not None:
+            self.box_gram = self.box.gram(volume)
+
+    def accumulate_box(self, on_final=None):
+        """The box sums' reconstruction of every window (after the settling pass gave its projectors), in
+        ``FINAL_PIECES`` pieces along x with ``on_final(stop)`` after each when given."""
+        if self.box is not None:
+            planes = -(-self.box.shape[0] // FINAL_PIECES) if on_final is not None else None
+            self.box.accumulate(self.volume, *self.sums.tensors(), planes_per_piece=planes, on_final=on_final)
+            self.box = None
 
     def batch(self, windows, dtype, fused, settle, refine=0):
         """Gram -> eigensolver -> threshold -> reconstruction of a batch of the slab's windows: a slice
-        (first pass) or a sorted array of their indices (second pass). Returns the solver's ``info`` and, with
+        (first pass), a sorted array of their indices (second pass) or ``_Chosen`` ones (second pass chosen on
+        the device: fused kernels, tridiagonal eigensolver, no centre rows). Returns the solver's ``info`` and, with
         ``settle``, the windows left unsettled (given weight 0 here); all on the device, no synchronisation.
         With ``refine`` (a block size: gathered path, a solver with all eigenvectors, m >= ``REFINE_MIN_ORDER``)
         the patches and the Gram are float64, the eigensolver runs on the Gram rounded to ``dtype``, and the
@@ -684,7 +757,11 @@ class _SlabContext:
         Everything is allocated before anything is added into the sums (an out-of-memory retry is safe)."""
         run, device, volume, finite, sums = self.run, self.run.device, self.volume, self.finite, self.sums
         options, demean, n_volumes = run.options, run.demean, volume.shape[1]
-        if isinstance(windows, slice):
+        count = None  # the windows run: all, or the first ``count`` of ``_Chosen`` ones
+        if isinstance(windows, _Chosen):
+            base, batch_multiplicity = self.base[windows.index], self.multiplicity[windows.index]
+            count = windows.count
+        elif isinstance(windows, slice):
             base, batch_multiplicity = self.base[windows], self.multiplicity[windows]
             if run.center:
                 a, b = np.searchsorted(self.centre_window_host, [windows.start, windows.stop])
@@ -705,20 +782,21 @@ class _SlabContext:
         # n mu mu^T + (the volume-demeaned Gram), exactly; the kernels take the second and the rank-one term
         # apart (``TridiagonalEigh.values(rank_one=...)``), so the patch's mean costs no precision
         rank_one = run.mean_apart and dtype == torch.float32
-        box = self.box if isinstance(windows, slice) and dtype == torch.float32 else None  # first pass only
-        if box is not None:
+        if self.box_gram is not None and isinstance(windows, slice) and dtype == torch.float32:  # first pass
             gram = self.box_gram[windows].clone()  # the solver overwrites it; a retried batch needs it whole
             n_took_part = torch.full((len(gram),), n_voxels, dtype=torch.int32, device=device)
             volume_mean = None
         elif fused:
             gram, n_took_part, volume_mean = kernels.gram(volume, finite, base, run.voxel_offsets,
-                                                          demean="volume" if rank_one else demean, dtype=dtype)
+                                                          demean="volume" if rank_one else demean, dtype=dtype,
+                                                          count=count)
         else:
             gram, patches, means, took_part, voxels = _gather_gram(
                 volume, finite, base, run.voxel_offsets, demean, torch.float64 if refine else dtype, time_side)
             n_took_part = took_part.sum(dim=1).to(torch.int32)
             volume_mean = None  # the gathered path keeps its means in ``means``
-        values, info, scale = _eigenvalues_of(run.solver, gram, dtype, refine, rank_one, n_took_part, volume_mean)
+        values, info, scale = _eigenvalues_of(run.solver, gram, dtype, refine, rank_one, n_took_part, volume_mean,
+                                              count)
         # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
         usable_voxels, usable_volumes = n_took_part - int(demean == "volume"), n_volumes - int(demean == "voxel")
         delta = (rounding_uncertainty(values, REFINED_SETTLE_SLACK if refine else run.settle_slack, scale)
@@ -727,24 +805,30 @@ class _SlabContext:
                                                            options.estimator, delta)
         projector = run.solver.projector(patch_rank)
         keep = info == 0
+        if count is not None:  # the places past the count hold no window (their numbers are left unwritten)
+            keep &= torch.arange(len(keep), device=device) < count
         if settle:
             if refine:
                 unsettled |= patch_rank >= refine - REFINE_GUARD
             if rank_one:
                 unsettled |= unresolved_projectors(values, patch_rank, scale)
             keep &= ~unsettled
-        keep = keep.to(torch.float64)
         if run.center:
-            patch_weight = keep
-        else:
-            patch_weight = (aggregation_weights(patch_rank, options.demeaned, options.aggregation)
-                            * batch_multiplicity * keep)
-        patch_weight = patch_weight.to(torch.float32)
+            patch_weight = keep.to(torch.float32)
+        else:  # where, not a product: a place left unwritten may hold any number
+            patch_weight = torch.where(keep, aggregation_weights(patch_rank, options.demeaned, options.aggregation)
+                                       * batch_multiplicity, 0.0).to(torch.float32)
         patch_sigma = torch.sqrt(sigma2).to(torch.float32)
         patch_rank = patch_rank.to(torch.float32)
 
-        if box is not None:
-            box.add_windows(windows, projector.to(torch.float32), patch_weight, patch_sigma, patch_rank)
+        if self.box is not None:  # every pass: the settling pass's windows replace their first-pass projectors
+            places, written = windows, None
+            if isinstance(windows, _Chosen):
+                places, written = windows.index, torch.arange(len(keep), device=device) < count
+            elif not isinstance(windows, slice):
+                places = index
+            self.box.add_windows(places, projector.to(torch.float32), patch_weight, patch_sigma, patch_rank,
+                                 written)
         elif fused:
             projector = projector.to(torch.float32).contiguous()
             if run.center:
@@ -778,12 +862,13 @@ class _SlabContext:
         return info, unsettled
 
 
-def _eigenvalues_of(solver, gram, dtype, refine, rank_one, n_took_part, volume_mean):
+def _eigenvalues_of(solver, gram, dtype, refine, rank_one, n_took_part, volume_mean, count=None):
     """The eigen step's first half for ``_SlabContext.batch``: eigenvalues (B, m) float64 ascending, ``info``
     and the scale of their float32 error (None: the largest eigenvalue). ``refine`` (a block size): the
     float64 ``gram`` solved rounded to ``dtype``, both ends refined in float64. ``rank_one``: ``gram`` is
     the volume-demeaned Gram and n mu mu^T (``volume_mean`` mu, ``n_took_part`` n) is added as a rank-one
-    term; the error scale is then the demeaned Gram's norm."""
+    term; the error scale is then the demeaned Gram's norm. ``count``: only the first ``count`` are solved
+    (the tridiagonal kernels; ``_Chosen`` batches)."""
     if refine:
         values, info = solver.values(gram.to(dtype))
         values, refine_info = solver.refine(gram, refine)
@@ -795,7 +880,7 @@ def _eigenvalues_of(solver, gram, dtype, refine, rank_one, n_took_part, volume_m
         direction = mean / norm2.sqrt().clamp(min=torch.finfo(torch.float64).tiny)[:, None]
         values, info = solver.values(gram, rank_one=(direction, n_took_part.to(torch.float64) * norm2))
         return values.to(torch.float64), info, scale
-    values, info = solver.values(gram)
+    values, info = solver.values(gram) if count is None else solver.values(gram, count=count)
     return values.to(torch.float64), info, None
 
 

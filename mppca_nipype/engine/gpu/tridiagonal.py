@@ -80,9 +80,13 @@ def _reflect(a, v, tiny):
 
 
 @triton.jit
-def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, m: tl.constexpr,
-                   BLOCK: tl.constexpr, FP64: tl.constexpr, BISECTIONS: tl.constexpr, RANK_ONE: tl.constexpr):
+def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, count_ptr, m: tl.constexpr,
+                   BLOCK: tl.constexpr, FP64: tl.constexpr, BISECTIONS: tl.constexpr, RANK_ONE: tl.constexpr,
+                   COUNTED: tl.constexpr):
     matrix = tl.program_id(0).to(tl.int64)
+    if COUNTED:  # only the first *count_ptr matrices are asked for
+        if matrix >= tl.load(count_ptr):
+            return
     dtype = tl.float64 if FP64 else tl.float32
     rows = tl.arange(0, BLOCK)
     r = rows[:, None]
@@ -196,13 +200,16 @@ def _orthonormal_columns(y, keep, rank, lanes, tiny, LANES: tl.constexpr):
 
 @triton.jit
 def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, projector_ptr, direction_ptr,
-                      m: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr, FP64: tl.constexpr,
+                      count_ptr, m: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr, FP64: tl.constexpr,
                       SOLVES: tl.constexpr, RANK_ONE: tl.constexpr, LOWEST_RANK: tl.constexpr,
-                      HIGHEST_RANK: tl.constexpr):
+                      HIGHEST_RANK: tl.constexpr, COUNTED: tl.constexpr):
     """The projector of every matrix whose rank lies in [LOWEST_RANK, HIGHEST_RANK] (the others are left to
     another launch): lane j solves for eigenvalue m - LANES + j, so LANES >= HIGHEST_RANK lanes serve the
     top ranks (LANES = BLOCK serves every rank)."""
     matrix = tl.program_id(0).to(tl.int64)
+    if COUNTED:
+        if matrix >= tl.load(count_ptr):
+            return
     dtype = tl.float64 if FP64 else tl.float32
     rows = tl.arange(0, BLOCK)
     lanes = tl.arange(0, LANES)
@@ -278,11 +285,13 @@ class TridiagonalEigh:
     def release_workspaces(self):
         self._state = None
 
-    def values(self, matrices, rank_one=None):
+    def values(self, matrices, rank_one=None, count=None):
         """Eigenvalues of ``matrices`` (see the class), or with ``rank_one = (w, rho)`` ((B, m) unit vectors,
         (B,) weights >= 0) of ``matrices + rho w w^T``: the rank-one term enters the tridiagonal form as one
         number added to d_0, so a huge rho (an undemeaned patch's mean, ``pipeline``) costs the other
-        eigenvalues no precision: they come out to a rounding of ``matrices``' scale, not of rho's."""
+        eigenvalues no precision: they come out to a rounding of ``matrices``' scale, not of rho's.
+        ``count`` (a device integer tensor of one element): only the first ``count`` matrices are solved
+        (here and by ``projector``), the rest left unwritten."""
         if matrices.ndim != 3 or matrices.shape[1] != matrices.shape[2] or not matrices.is_contiguous():
             raise ValueError("matrices must be a contiguous (B, m, m) tensor")
         if matrices.dtype not in (torch.float32, torch.float64):
@@ -301,15 +310,16 @@ class TridiagonalEigh:
             if direction.shape != (batch, m) or weight.shape != (batch,):
                 raise ValueError(f"rank_one must be ((B, m), (B,)) tensors for B={batch}, m={m}")
         if batch:
-            _values_kernel[(batch,)](matrices, d, e, values, direction, weight, m, BLOCK=_block(m), FP64=fp64,
-                                     BISECTIONS=_bisections(matrices.dtype), RANK_ONE=rank_one is not None,
+            _values_kernel[(batch,)](matrices, d, e, values, direction, weight, d if count is None else count, m,
+                                     BLOCK=_block(m), FP64=fp64, BISECTIONS=_bisections(matrices.dtype),
+                                     RANK_ONE=rank_one is not None, COUNTED=count is not None,
                                      num_warps=self.warps or _warps(m, matrices.dtype))
-        self._state = (matrices, d, e, values, direction if rank_one is not None else None)
+        self._state = (matrices, d, e, values, direction if rank_one is not None else None, count)
         return values, torch.zeros(batch, dtype=torch.int32, device=matrices.device)
 
     def projector(self, rank):
         """(B, m, m) projectors onto the ``rank`` leading eigenvectors of the matrices ``values`` saw last."""
-        matrices, d, e, values, direction = self._state
+        matrices, d, e, values, direction, count = self._state
         batch, m = values.shape
         out = torch.empty((batch, m, m), dtype=matrices.dtype, device=matrices.device)
         work = torch.empty((batch, 2 * m, _block(m)), dtype=matrices.dtype, device=matrices.device)
@@ -320,9 +330,9 @@ class TridiagonalEigh:
                     else [(_block(m), 0, m)])
         for launch_lanes, lowest, highest in launches if batch else ():
             _projector_kernel[(batch,)](matrices, d, e, values, rank, work, out,
-                                        d if direction is None else direction, m, BLOCK=_block(m),
-                                        LANES=launch_lanes, FP64=matrices.dtype == torch.float64,
+                                        d if direction is None else direction, d if count is None else count, m,
+                                        BLOCK=_block(m), LANES=launch_lanes, FP64=matrices.dtype == torch.float64,
                                         SOLVES=INVERSE_ITERATIONS, RANK_ONE=direction is not None,
-                                        LOWEST_RANK=lowest, HIGHEST_RANK=highest,
+                                        LOWEST_RANK=lowest, HIGHEST_RANK=highest, COUNTED=count is not None,
                                         num_warps=self.warps or _warps(m, matrices.dtype))
         return out
