@@ -21,6 +21,9 @@
 (5) issue 5's eigen step alone: XsyevBatched, its eigenvalues alone, the tridiagonal Triton kernels, and
     tridiagonal eigenvalues with a Newton-Schulz projector, on 12,600 Gram matrices for T in 32..128 (and
     clustered and rank-deficient ones), timed and checked against XsyevBatched in float64.
+(k) the seed's problem quickly (a minute on a fresh machine): ours (``auto``) and the article's final step
+    side by side, best of 7 each, with ours' timeline (``info["timeline_ms"]``), against the GPU's own float64
+    run (no CPU reference).
 (p) the seed's problem (with each eigensolver) and dwidenoise's mode on the same phantom under torch's
     profiler: device time per stage and kernel.
 (r) long series (T = 300, 1000; windows of (c)'s phantoms): the float32 eigensolve's eigenvalue errors, the
@@ -32,7 +35,8 @@
     flags (and misses).
 (g) the fused kernels' tile products in float32 ("ieee") or as three TF32 products ("tf32x3"): each kernel
     alone, the Gram's error, and the seed's problem end to end with each.
-(h) the host side of ``denoise_gpu`` on the seed's problem: page-locking, uploads, pinned outputs, downloads.
+(h) the host side of ``denoise_gpu`` on the seed's problem: page-locking (in pieces, by 1-8 threads), staging
+    (compared), pinned outputs, downloads.
 (s) the CPU path's scaling on this machine (no GPU): ``nproc``, the cgroup's CPU quota and affinity, and
     ``denoise(low_rank_phantom((64, 64, 40), 48)[0], device="cpu", nprocs=k)`` for k = 1, 4, 16 in fresh
     processes (and k = 16 after CUDA was initialised, as inside this suite), with the cgroup's CPU time and
@@ -412,11 +416,29 @@ def seed_ladder(rows, skip_torch_eigh):
                                       repeats=repeats, warmup=1 if repeats > 1 else 0)
         denoised, _ = finish(sums, data.shape)
         rows.append(dict(problem="seed", variant=name, ms=seconds * 1e3, **errors(denoised, reference, truth),
-                         peak_gib=peak / 2**30, batch=sums.info["batch"]))
+                         peak_gib=peak / 2**30, batch=sums.info["batch"], timeline_ms=sums.info["timeline_ms"]))
         print(rows[-1], flush=True)
     seconds, result, peak = best_of(lambda: denoise(noisy, device="cuda", **SEED_OPTIONS))
     rows.append(dict(problem="seed", variant="ours: denoise(device='cuda'), whole call", ms=seconds * 1e3,
                      **errors(result.denoised, reference, truth), peak_gib=peak / 2**30))
+
+
+def seed_quick(rows):
+    noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
+    reference, _ = finish(denoise_gpu(data, finite, plan, options, precision="float64"), data.shape)
+    result = {}
+    for name, kwargs in (("fused kernels + XsyevBatched, batch 2048 (article's final step)",
+                          dict(path="fused", max_batch=2048, eigensolver="xsyev")),
+                         ("ours: denoise_gpu (auto)", dict())):
+        seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs), repeats=7)
+        denoised, _ = finish(sums, data.shape)
+        rows.append(dict(problem="seed (quick)", variant=name, ms=seconds * 1e3,
+                         **errors(denoised, reference, truth), peak_gib=peak / 2**30))
+        result[name] = dict(ms=seconds * 1e3, timeline_ms=sums.info["timeline_ms"], gram_path=sums.info["gram_path"],
+                            n_settled=sums.info["n_settled_in_float64"])
+        print(rows[-1], result[name], flush=True)
+    return result
 
 
 def dwidenoise_mode(rows):
@@ -823,7 +845,7 @@ def dot_precisions(rows):
 def box_sums(rows):
     """(x) issue 5: the box sums (``boxsums``: the Gram and reconstruction of a whole grid of windows by
     separable sums of each voxel's outer products) against the fused kernels on the seed's problem: each
-    alone (best of 10) with each tile-product precision and with the blocks packed (``boxsums.PACKED``), the Gram's error against the fused float64 Gram,
+    alone (best of 10) with each tile-product precision, the Gram's error against the fused float64 Gram,
     the accumulated sums against the fused kernel's for the same projectors; then ``denoise_gpu`` end to end
     (auto = box sums vs path "fused"), checked against the GPU's float64 run."""
     from mppca_nipype.engine.gpu import boxsums, kernels
@@ -834,7 +856,7 @@ def box_sums(rows):
     n, m = len(base), data.shape[3]
     generator = torch.Generator(device="cuda").manual_seed(0)
     projector = torch.randn((n, m, m), device="cuda", generator=generator) / m
-    projector = projector + projector.transpose(1, 2)  # symmetric, as projectors are (packing keeps one triangle)
+    projector = projector + projector.transpose(1, 2)  # symmetric, as projectors are
     weight = torch.rand(n, device="cuda", generator=generator) + 0.5
     fused_sums = [torch.zeros((volume.shape[0], m), device="cuda")] + [torch.zeros(volume.shape[0], device="cuda")
                                                                           for _ in range(3)]
@@ -846,30 +868,24 @@ def box_sums(rows):
             volume, finite_rows, base, offsets, projector, weight, weight, weight,
             *[torch.zeros_like(x) for x in fused_sums], demean="voxel"), repeats=10)[0] * 1e3))
     slab = plan_slabs(plan, data.shape[0])[0]
-    variants = [(outer, apply, False) for outer in kernels.DOT_PRECISIONS for apply in kernels.DOT_PRECISIONS]
-    variants += [("ieee", "tf32x3", True), ("ieee", "ieee", True)]  # blocks as upper triangles
-    for outer, apply, packed in variants:
-        box = boxsums.BoxSums(volume, plan, slab, dict(outer=outer, apply=apply), packed)
-        gram_seconds, gram, _ = best_of(box.gram, repeats=10)
+    for outer, apply in [(outer, apply) for outer in kernels.DOT_PRECISIONS for apply in kernels.DOT_PRECISIONS]:
+        box = boxsums.BoxSums(plan, slab, m, volume.device, dict(outer=outer, apply=apply))
+        gram_seconds, gram, _ = best_of(lambda: box.gram(volume), repeats=10)
         box.add_windows(slice(0, n), projector, weight, weight, weight)
         sums = [torch.zeros_like(x) for x in fused_sums]
-        box.accumulate(*sums)
-        accumulate_seconds, _, peak = best_of(lambda: box.accumulate(*[torch.zeros_like(x) for x in fused_sums]),
+        box.accumulate(volume, *sums)
+        accumulate_seconds, _, peak = best_of(lambda: box.accumulate(volume,
+                                                                     *[torch.zeros_like(x) for x in fused_sums]),
                                               repeats=10)
         gram_error = float(((gram.double() - gram64).norm(dim=(1, 2)) / gram64.norm(dim=(1, 2))).max())
-        name = f"outer {outer}, apply {apply}" + (", packed" if packed else "")
+        name = f"outer {outer}, apply {apply}"
         result[name] = dict(gram_ms=gram_seconds * 1e3, accumulate_ms=accumulate_seconds * 1e3,
                             gram_rel_error_max=gram_error, peak_gib=peak / 2**30,
                             sums_rel_to_fused=[float((a - b).norm() / b.norm()) for a, b in zip(sums, fused_sums)])
         print(name, result[name], flush=True)
     print("fused", result["fused"], flush=True)
-    for name, path, packed in (("box sums (auto)", "auto", False), ("fused kernels", "fused", False),
-                               ("box sums, blocks packed", "auto", True)):
-        boxsums.PACKED = packed
-        try:
-            seconds, out, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, path=path), repeats=7)
-        finally:
-            boxsums.PACKED = False
+    for name, path in (("box sums (auto)", "auto"), ("fused kernels", "fused")):
+        seconds, out, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, path=path), repeats=7)
         denoised, rank = finish(out, data.shape)
         result[f"end to end, {name}"] = dict(ms=seconds * 1e3, gram_path=out.info["gram_path"],
                                              n_settled=out.info["n_settled_in_float64"],
@@ -882,11 +898,14 @@ def box_sums(rows):
 
 def host_pieces():
     """(h) issue 5: the host side of ``denoise_gpu`` on the seed's problem, piece by piece (ms, best of 5):
-    page-locking the caller's (V, T) array in place and undoing it (and the undoing alone), its upload from
-    page-locked and from pageable memory, the upload page-locked in pieces (``PageLockedUpload``: until
-    the copies are done, and its release), allocating the pinned outputs, the download into them; beside
-    the whole backend."""
-    from mppca_nipype.engine.gpu.pipeline import PageLockedUpload, _pin
+    page-locking the caller's (V, T) array in place and undoing it (the undoing alone too), the upload from
+    page-locked and from pageable memory, the upload page-locked in pieces (``upload.PageLockedSeries``:
+    until the copies are done); for comparison, staging through page-locked buffers (8 threads copying 4 MB
+    chunks with NumPy, each chunk's copy queued when staged: the seventh session's try); allocating the
+    pinned outputs, the download into them; beside the whole backend."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mppca_nipype.engine.gpu.upload import PageLockedSeries, piece_bounds
 
     noisy, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
     data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
@@ -898,31 +917,78 @@ def host_pieces():
 
     cudart = torch.cuda.cudart()
 
+    def pin(address, nbytes):
+        code = cudart.cudaHostRegister(address, nbytes, 0)
+        assert int(getattr(code, "value", code)) == 0
+
     def pin_and_unpin(unpin=True):
-        assert _pin(host.ctypes.data, host.nbytes)
+        pin(host.ctypes.data, host.nbytes)
         if unpin:
             cudart.cudaHostUnregister(host.ctypes.data)
 
     def upload_pinned():
-        assert _pin(host.ctypes.data, host.nbytes)
+        pin(host.ctypes.data, host.nbytes)
         torch.from_numpy(host).to("cuda", non_blocking=True)
         torch.cuda.synchronize()
         cudart.cudaHostUnregister(host.ctypes.data)
 
     def upload_in_pieces():
-        """(ms until the copies of the series, page-locked in pieces, are done; ms of the release after)"""
+        """(ms until the copies of the series, page-locked in pieces, are done; ms of the unlocking after)"""
         upload_ms = release_ms = float("inf")
+        stream = torch.cuda.Stream()
         for _ in range(6):
             torch.cuda.synchronize()
             started = time.perf_counter()
-            upload = PageLockedUpload(host)
-            upload.upload(slice(0, len(host)), torch.device("cuda"))
-            torch.cuda.synchronize()
+            series = PageLockedSeries(host)
+            series.upload(slice(0, len(host)), torch.device("cuda"), stream).wait(stream)
+            stream.synchronize()
             uploaded = time.perf_counter()
-            upload.release()
+            series.release().result()
             upload_ms = min(upload_ms, (uploaded - started) * 1e3)
             release_ms = min(release_ms, (time.perf_counter() - uploaded) * 1e3)
         return upload_ms, release_ms
+
+    def staged_upload(threads=8, chunk=4 << 20):
+        """ms until the series, staged through page-locked buffers by ``threads`` threads, is on the device"""
+        staging = [torch.empty(chunk // 4, dtype=torch.float32, pin_memory=True) for _ in range(threads)]
+        events = [torch.cuda.Event() for _ in range(threads)]
+        out = torch.empty(host.shape, dtype=torch.float32, device="cuda")
+        flat, flat_out, stream = host.reshape(-1), out.reshape(-1), torch.cuda.Stream()
+        starts = range(0, flat.size, chunk // 4)
+
+        def stage(k):
+            a, b = starts[k], min(starts[k] + chunk // 4, flat.size)
+            buffer, done = staging[k % threads], events[k % threads]
+            done.synchronize()
+            np.copyto(buffer[:b - a].numpy(), flat[a:b])
+            with torch.cuda.stream(stream):
+                flat_out[a:b].copy_(buffer[:b - a], non_blocking=True)
+                done.record(stream)
+
+        best = float("inf")
+        with ThreadPoolExecutor(threads) as pool:
+            for _ in range(6):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for k0 in range(0, len(starts), threads):  # a buffer is reused only by the next round
+                    list(pool.map(stage, range(k0, min(k0 + threads, len(starts)))))
+                stream.synchronize()
+                best = min(best, time.perf_counter() - started)
+        return best * 1e3
+
+    def lock_pieces_in_parallel(threads):
+        """ms to page-lock the series' 8 pieces (``upload.piece_bounds``) by ``threads`` threads at once"""
+        bounds, flat = piece_bounds(host), host.reshape(-1)
+        parts = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        best = float("inf")
+        with ThreadPoolExecutor(threads) as pool:
+            for _ in range(5):
+                started = time.perf_counter()
+                list(pool.map(lambda part: pin(part.ctypes.data, part.nbytes), parts))
+                best = min(best, time.perf_counter() - started)
+                for part in parts:
+                    cudart.cudaHostUnregister(part.ctypes.data)
+        return best * 1e3
 
     def unpin_alone():
         best = float("inf")
@@ -939,6 +1005,8 @@ def host_pieces():
         unpin_alone_ms=unpin_alone(),
         upload_with_pinning_ms=timed(upload_pinned),
         upload_in_pieces_and_release_ms=upload_in_pieces(),
+        lock_pieces_by_threads_ms={threads: lock_pieces_in_parallel(threads) for threads in (1, 2, 4, 8)},
+        staged_upload_ms=staged_upload(),
         upload_pageable_ms=timed(lambda: torch.from_numpy(host).to("cuda")),
         pinned_outputs_ms=timed(lambda: torch.empty(host.shape, dtype=torch.float32, pin_memory=True)),
         download_pinned_ms=timed(lambda: torch.empty(host.shape, dtype=torch.float32, pin_memory=True)
@@ -1119,7 +1187,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
     parser.add_argument("--only", default="abcdev",
-                        help="which parts to run: any of a, b, c, e, v, s, 5, p, r, w, q, g, h, x")
+                        help="which parts to run: any of a, b, c, e, v, s, 5, k, p, r, w, q, g, h, x")
     parser.add_argument("--no-cpu", action="store_true",
                         help="(c) without our CPU path (the GPU's float64 run is the reference)")
     args = parser.parse_args()
@@ -1152,6 +1220,7 @@ def main():
     part("e", eigensolvers_on_large_matrices, "eigensolver_ms_per_matrix")
     part("5", eigen_step, "eigen_step")
     part("x", lambda: box_sums(rows), "box_sums")
+    part("k", lambda: seed_quick(rows), "seed_quick")
     part("p", lambda: profile_seed(args.out), "profile_seed")
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))
