@@ -17,7 +17,8 @@ Per batch, with no host synchronisation:
    solver's projector onto the kept eigenvectors, ``aggregation_weights`` times the window's multiplicity.
 4. Reconstruction added into (V, T) image and (V,) weight/sigma/rank sums on the device (atomics), or for
    ``center`` each centre row written to its voxel; with the box sums, the weighted projectors of the whole
-   slab spread back over x and y and applied to each voxel once, after the last batch (no atomics).
+   slab spread back over x and y and applied to each voxel once, after the settling pass (no atomics), in
+   pieces whose rows are downloaded while the next piece computes (``_Finisher``).
 
 Demeaning: ``voxel`` removes each voxel's temporal mean (T - 1 volumes go to the estimator); ``volume``
 removes the patch's mean time course over its finite voxels (n_eff - 1 voxels go to the estimator; the
@@ -38,8 +39,9 @@ Settling: the rank test is a comparison, and a window whose margin is below floa
 from the float64 CPU path. A float32 run therefore flags, on the device, the windows whose rank would change
 if the eigenvalues moved by ``SETTLE_SLACK`` float32 roundings of the largest (``TRIDIAGONAL_SETTLE_SLACK``
 for the tridiagonal kernels, whose error is smaller; ``unsettled_ranks``), gives
-them weight 0, and after the first pass (one synchronisation) redoes them, with any failed eigensolves, in
-float64 on the device.
+them weight 0, and after the first pass redoes them, with any failed eigensolves, in float64 on the device:
+chosen on the device (``_PlanRun.settles_on_device``: fused kernels, tridiagonal eigensolver, weighted or
+uniform aggregation; the run then waits for the device once, at its end), else after one synchronisation.
 
 On long series (gathered path, m >= ``REFINE_MIN_ORDER``: T > 128 with the defaults) a float32 eigensolve's
 error (~eps lambda_max) exceeds the spacing of the noise bulk, and the test above would flag most windows
