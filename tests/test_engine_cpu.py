@@ -239,12 +239,16 @@ def test_nonfinite_voxels_in_the_mask_warn_with_their_number():
     assert any(m.startswith("3 voxels") and "NaN" in m for m in messages)
 
 
-@pytest.mark.parametrize("layout", ["C", "F"])
-def test_finite_voxels_finds_every_non_finite_value_even_where_squares_overflow(layout):
-    """The quick check (the sum of squares) must never call a series finite that is not, and values whose
-    squares overflow float32 (finite, so every voxel is kept) must not be taken for non-finite ones."""
+@pytest.mark.parametrize("layout, threads", [("C", 1), ("F", 1), ("C", 4)])
+def test_finite_voxels_finds_every_non_finite_value_even_where_squares_overflow(monkeypatch, layout, threads):
+    """The quick check (the sum of squares, by parts on threads) must never call a series finite that is not,
+    and values whose squares overflow float32 (finite, so every voxel is kept) must not be taken for
+    non-finite ones."""
+    from mppca_nipype import engine
     from mppca_nipype.engine import _finite_voxels
 
+    monkeypatch.setattr(engine, "available_cpus", lambda: threads)
+    monkeypatch.setattr(engine, "FINITE_CHECK_BYTES", 64)  # the 1,440-byte series in parts
     rng = np.random.default_rng(5)
     data = np.asarray(rng.standard_normal((5, 4, 3, 6)).astype(np.float32), order=layout)
     assert _finite_voxels(data).all()
