@@ -396,7 +396,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
         """Start the slab's series and finite flags on their way to the device (the series on the copy stream)."""
         rows = slice(slab.first * plane, slab.stop * plane)
         if not on_gpu:
-            return torch.from_numpy(host_volume[rows]).to(device), torch.from_numpy(host_finite[rows]).to(device)
+            return to_device(host_volume[rows], device), to_device(host_finite[rows], device)
         with torch.cuda.stream(copies):
             rows_on_the_way = series.upload(rows, device, copies)
         if every_voxel_finite:  # filled on the device, no copy
@@ -492,9 +492,9 @@ class _SlabSums:
 
     def add(self, rows, image, weight, sigma, rank, replace=False):
         """Add host-computed values into rows (or, with ``replace``, write them: centre aggregation)."""
+        index = to_device(rows, self.weight.device)
         for sums, values in zip(self.tensors(), (image, weight, sigma, rank)):
-            values = torch.from_numpy(np.asarray(values, dtype=np.float32)).to(sums.device)
-            index = torch.from_numpy(rows).to(sums.device)
+            values = to_device(np.asarray(values, dtype=np.float32), sums.device)
             if replace:
                 sums[index] = values
             else:
@@ -759,10 +759,11 @@ class _SlabContext:
         Everything is allocated before anything is added into the sums (an out-of-memory retry is safe)."""
         run, device, volume, finite, sums = self.run, self.run.device, self.volume, self.finite, self.sums
         options, demean, n_volumes = run.options, run.demean, volume.shape[1]
-        count = None  # the windows run: all, or the first ``count`` of ``_Chosen`` ones
+        count = asked = None  # the windows run: all, or the first ``count`` of ``_Chosen`` ones (``asked``)
         if isinstance(windows, _Chosen):
             base, batch_multiplicity = self.base[windows.index], self.multiplicity[windows.index]
             count = windows.count
+            asked = torch.arange(len(windows.index), device=device) < count
         elif isinstance(windows, slice):
             base, batch_multiplicity = self.base[windows], self.multiplicity[windows]
             if run.center:
@@ -770,13 +771,13 @@ class _SlabContext:
                 centres = (self.centre_voxel[a:b], self.centre_window[a:b] - windows.start,
                            self.centre_position[a:b])
         else:
-            index = torch.from_numpy(windows).to(device)
+            index = to_device(windows, device)
             base, batch_multiplicity = self.base[index], self.multiplicity[index]
             if run.center:
                 chosen = np.flatnonzero(np.isin(self.centre_window_host, windows))
                 own = np.searchsorted(windows, self.centre_window_host[chosen]).astype(np.int32)
-                chosen = torch.from_numpy(chosen).to(device)
-                centres = (self.centre_voxel[chosen], torch.from_numpy(own).to(device),
+                chosen = to_device(chosen, device)
+                centres = (self.centre_voxel[chosen], to_device(own, device),
                            self.centre_position[chosen])
         n_voxels = run.voxel_offsets.numel()
         time_side = n_voxels >= n_volumes
@@ -807,8 +808,8 @@ class _SlabContext:
                                                            options.estimator, delta)
         projector = run.solver.projector(patch_rank)
         keep = info == 0
-        if count is not None:  # the places past the count hold no window (their numbers are left unwritten)
-            keep &= torch.arange(len(keep), device=device) < count
+        if asked is not None:  # the places past the count hold no window (their numbers are left unwritten)
+            keep &= asked
         if settle:
             if refine:
                 unsettled |= patch_rank >= refine - REFINE_GUARD
@@ -826,7 +827,7 @@ class _SlabContext:
         if self.box is not None:  # every pass: the settling pass's windows replace their first-pass projectors
             places, written = windows, None
             if isinstance(windows, _Chosen):
-                places, written = windows.index, torch.arange(len(keep), device=device) < count
+                places, written = windows.index, asked
             elif not isinstance(windows, slice):
                 places = index
             self.box.add_windows(places, projector.to(torch.float32), patch_weight, patch_sigma, patch_rank,
