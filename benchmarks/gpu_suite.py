@@ -35,8 +35,11 @@
     flags (and misses).
 (g) the fused kernels' tile products in float32 ("ieee") or as three TF32 products ("tf32x3"): each kernel
     alone, the Gram's error, and the seed's problem end to end with each.
-(h) the host side of ``denoise_gpu`` on the seed's problem: page-locking (in pieces, by 1-8 threads), staging
-    (compared), pinned outputs, downloads.
+(h) the host side of ``denoise_gpu`` on the seed's problem: page-locking, staging (compared), pinned outputs,
+    downloads.
+(u) what the driver serialises on the host: the host's memory copy by threads, a staged upload, page-locking
+    beside a running kernel, small CUDA calls beside page-locking (for the upload's design).
+(o) the caller's thread in the seed's run under cProfile (20 runs).
 (s) the CPU path's scaling on this machine (no GPU): ``nproc``, the cgroup's CPU quota and affinity, and
     ``denoise(low_rank_phantom((64, 64, 40), 48)[0], device="cpu", nprocs=k)`` for k = 1, 4, 16 in fresh
     processes (and k = 16 after CUDA was initialised, as inside this suite), with the cgroup's CPU time and
@@ -415,8 +418,9 @@ def seed_ladder(rows, skip_torch_eigh):
         seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs),
                                       repeats=repeats, warmup=1 if repeats > 1 else 0)
         denoised, _ = finish(sums, data.shape)
+        marked = denoise_gpu(data, finite, plan, options, timeline=True, **kwargs)
         rows.append(dict(problem="seed", variant=name, ms=seconds * 1e3, **errors(denoised, reference, truth),
-                         peak_gib=peak / 2**30, batch=sums.info["batch"], timeline_ms=sums.info["timeline_ms"]))
+                         peak_gib=peak / 2**30, batch=sums.info["batch"], timeline_ms=marked.info["timeline_ms"]))
         print(rows[-1], flush=True)
     seconds, result, peak = best_of(lambda: denoise(noisy, device="cuda", **SEED_OPTIONS))
     rows.append(dict(problem="seed", variant="ours: denoise(device='cuda'), whole call", ms=seconds * 1e3,
@@ -424,18 +428,35 @@ def seed_ladder(rows, skip_torch_eigh):
 
 
 def seed_quick(rows):
+    from mppca_nipype.engine.gpu import upload
+
     noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
     data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
     reference, _ = finish(denoise_gpu(data, finite, plan, options, precision="float64"), data.shape)
     result = {}
-    for name, kwargs in (("fused kernels + XsyevBatched, batch 2048 (article's final step)",
-                          dict(path="fused", max_batch=2048, eigensolver="xsyev")),
-                         ("ours: denoise_gpu (auto)", dict())):
-        seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs), repeats=7)
+    # (name, denoise_gpu's arguments, module settings for the run)
+    variants = [("fused kernels + XsyevBatched, batch 2048 (article's final step)",
+                 dict(path="fused", max_batch=2048, eigensolver="xsyev"), {}),
+                ("ours: denoise_gpu (auto)", dict(), {}),
+                ("ours, Python's 5 ms switch interval", dict(), {(upload, "SWITCH_INTERVAL"): 5e-3})]
+    variants += [(f"ours, staged by {threads} threads in {rounds} rounds", dict(),
+                  {(upload, "STAGE_THREADS"): threads, (upload, "STAGE_ROUNDS"): rounds})
+                 for threads, rounds in ((16, 4), (8, 2), (12, 4))]
+    variants += [("ours: denoise_gpu (auto), again (the machine's drift)", dict(), {})]
+    for name, kwargs, settings in variants:
+        defaults = {key: getattr(*key) for key in settings}
+        for (module, attribute), value in settings.items():
+            setattr(module, attribute, value)
+        try:
+            seconds, sums, peak = best_of(lambda: denoise_gpu(data, finite, plan, options, **kwargs), repeats=7)
+            marked = denoise_gpu(data, finite, plan, options, timeline=True, **kwargs)  # (its events cost time)
+        finally:
+            for (module, attribute), value in defaults.items():
+                setattr(module, attribute, value)
         denoised, _ = finish(sums, data.shape)
         rows.append(dict(problem="seed (quick)", variant=name, ms=seconds * 1e3,
                          **errors(denoised, reference, truth), peak_gib=peak / 2**30))
-        result[name] = dict(ms=seconds * 1e3, timeline_ms=sums.info["timeline_ms"], gram_path=sums.info["gram_path"],
+        result[name] = dict(ms=seconds * 1e3, timeline_ms=marked.info["timeline_ms"], gram_path=sums.info["gram_path"],
                             n_settled=sums.info["n_settled_in_float64"])
         print(rows[-1], result[name], flush=True)
     return result
@@ -899,13 +920,11 @@ def box_sums(rows):
 def host_pieces():
     """(h) issue 5: the host side of ``denoise_gpu`` on the seed's problem, piece by piece (ms, best of 5):
     page-locking the caller's (V, T) array in place and undoing it (the undoing alone too), the upload from
-    page-locked and from pageable memory, the upload page-locked in pieces (``upload.PageLockedSeries``:
-    until the copies are done); for comparison, staging through page-locked buffers (8 threads copying 4 MB
-    chunks with NumPy, each chunk's copy queued when staged: the seventh session's try); allocating the
-    pinned outputs, the download into them; beside the whole backend."""
+    page-locked and from pageable memory; staging through page-locked buffers (8 threads copying 4 MB
+    chunks with NumPy, each chunk's copy queued when staged: the seventh session's try; part u and
+    ``upload.StagedSeries`` do better); allocating the pinned outputs, the download into them; beside the
+    whole backend."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from mppca_nipype.engine.gpu.upload import PageLockedSeries, piece_bounds
 
     noisy, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
     data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
@@ -931,22 +950,6 @@ def host_pieces():
         torch.from_numpy(host).to("cuda", non_blocking=True)
         torch.cuda.synchronize()
         cudart.cudaHostUnregister(host.ctypes.data)
-
-    def upload_in_pieces():
-        """(ms until the copies of the series, page-locked in pieces, are done; ms of the unlocking after)"""
-        upload_ms = release_ms = float("inf")
-        stream = torch.cuda.Stream()
-        for _ in range(6):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            series = PageLockedSeries(host)
-            series.upload(slice(0, len(host)), torch.device("cuda"), stream).wait(stream)
-            stream.synchronize()
-            uploaded = time.perf_counter()
-            series.release().result()
-            upload_ms = min(upload_ms, (uploaded - started) * 1e3)
-            release_ms = min(release_ms, (time.perf_counter() - uploaded) * 1e3)
-        return upload_ms, release_ms
 
     def staged_upload(threads=8, chunk=4 << 20):
         """ms until the series, staged through page-locked buffers by ``threads`` threads, is on the device"""
@@ -976,20 +979,6 @@ def host_pieces():
                 best = min(best, time.perf_counter() - started)
         return best * 1e3
 
-    def lock_pieces_in_parallel(threads):
-        """ms to page-lock the series' 8 pieces (``upload.piece_bounds``) by ``threads`` threads at once"""
-        bounds, flat = piece_bounds(host), host.reshape(-1)
-        parts = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        best = float("inf")
-        with ThreadPoolExecutor(threads) as pool:
-            for _ in range(5):
-                started = time.perf_counter()
-                list(pool.map(lambda part: pin(part.ctypes.data, part.nbytes), parts))
-                best = min(best, time.perf_counter() - started)
-                for part in parts:
-                    cudart.cudaHostUnregister(part.ctypes.data)
-        return best * 1e3
-
     def unpin_alone():
         best = float("inf")
         for _ in range(5):
@@ -1004,8 +993,6 @@ def host_pieces():
         pin_and_unpin_ms=timed(pin_and_unpin),
         unpin_alone_ms=unpin_alone(),
         upload_with_pinning_ms=timed(upload_pinned),
-        upload_in_pieces_and_release_ms=upload_in_pieces(),
-        lock_pieces_by_threads_ms={threads: lock_pieces_in_parallel(threads) for threads in (1, 2, 4, 8)},
         staged_upload_ms=staged_upload(),
         upload_pageable_ms=timed(lambda: torch.from_numpy(host).to("cuda")),
         pinned_outputs_ms=timed(lambda: torch.empty(host.shape, dtype=torch.float32, pin_memory=True)),
@@ -1018,6 +1005,159 @@ def host_pieces():
     )
     print(pieces, flush=True)
     return pieces
+
+
+def host_profile():
+    """(o) the caller's thread in the seed's run (ours, ``auto``): ``cProfile`` over 20 runs after a warm-up,
+    by own and by cumulative time (a CUDA call that waits shows as its caller's own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    noisy, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
+    best_of(lambda: denoise_gpu(data, finite, plan, options))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        denoise_gpu(data, finite, plan, options)
+    profiler.disable()
+    report = {}
+    for key in ("tottime", "cumtime"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(45)
+        report[key] = text.getvalue()
+    print(report["tottime"][:7000], flush=True)
+    return report
+
+
+def driver_contention():
+    """(u) issue 5: what the driver serialises on the H200's host, for the upload's design (ms, best of 5):
+    the host's memory copy of the seed's 81 MB into a page-locked buffer by 1-16 threads (no CUDA); a
+    staged upload with free-running threads (each its own pair of page-locked chunks and stream); whether
+    ``cudaHostRegister`` / ``cudaHostUnregister`` of the 81 MB wait for a kernel that is still running (a
+    ~10 ms ``torch.cuda._sleep``); and what 50 tiny launches, 20 small page-locked table copies
+    (``upload.to_device``) and ``mem_get_info`` cost on one thread while another locks the 81 MB."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mppca_nipype.engine.gpu.upload import to_device
+
+    noisy, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
+    host = np.ascontiguousarray(noisy.reshape(-1, noisy.shape[3]), dtype=np.float32)
+    flat = host.reshape(-1)
+    cudart = torch.cuda.cudart()
+    pinned = torch.empty(flat.size, dtype=torch.float32, pin_memory=True)
+    pinned.fill_(0.0)
+    pinned_flat = pinned.numpy()
+    result = dict(mb=host.nbytes / 2**20)
+
+    def best(run, repeats=5):
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return round(min(times) * 1e3, 3)
+
+    def copy_by_threads(threads, pool):
+        bounds = np.linspace(0, flat.size, threads + 1).astype(int)
+        list(pool.map(lambda k: np.copyto(pinned_flat[bounds[k]:bounds[k + 1]], flat[bounds[k]:bounds[k + 1]]),
+                      range(threads)))
+
+    result["host_copy_ms_by_threads"] = {}
+    for threads in (1, 2, 4, 8, 16):
+        with ThreadPoolExecutor(threads) as pool:
+            result["host_copy_ms_by_threads"][threads] = best(lambda: copy_by_threads(threads, pool))
+    print("(u) host copy", result["host_copy_ms_by_threads"], flush=True)
+
+    out = torch.empty(flat.size, dtype=torch.float32, device="cuda")
+
+    def staged(threads, chunk_mb, pool, rings):
+        chunk = int(chunk_mb * 2**20) // 4
+        starts = list(range(0, flat.size, chunk))
+
+        def worker(k):
+            buffers, events, stream = rings[k]
+            for i, a in enumerate(starts[k::threads]):
+                b = min(a + chunk, flat.size)
+                events[i % 2].synchronize()
+                np.copyto(buffers[i % 2][:b - a].numpy(), flat[a:b])
+                with torch.cuda.stream(stream):
+                    out[a:b].copy_(buffers[i % 2][:b - a], non_blocking=True)
+                    events[i % 2].record(stream)
+            stream.synchronize()
+
+        list(pool.map(worker, range(threads)))
+
+    result["staged_upload_ms"] = {}
+    for threads in (4, 8, 16):
+        for chunk_mb in (1, 4):
+            rings = [([torch.empty(int(chunk_mb * 2**20) // 4, dtype=torch.float32, pin_memory=True).fill_(0)
+                       for _ in range(2)], [torch.cuda.Event(), torch.cuda.Event()], torch.cuda.Stream())
+                     for _ in range(threads)]
+            with ThreadPoolExecutor(threads) as pool:
+                ms = best(lambda: staged(threads, chunk_mb, pool, rings))
+            assert torch.equal(out.cpu(), torch.from_numpy(flat))
+            result["staged_upload_ms"][f"{threads} threads, {chunk_mb} MB"] = ms
+    print("(u) staged", result["staged_upload_ms"], flush=True)
+
+    def register():
+        code = cudart.cudaHostRegister(host.ctypes.data, host.nbytes, 0)
+        assert int(getattr(code, "value", code)) == 0
+
+    def unregister():
+        cudart.cudaHostUnregister(host.ctypes.data)
+
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.010) if hasattr(
+        torch.cuda.get_device_properties(0), "clock_rate") else 20_000_000
+
+    def while_busy(step):
+        """ms of ``step`` right after a ~10 ms kernel is queued, and ms the kernel had left when it returned"""
+        torch.cuda.synchronize()
+        done = torch.cuda.Event()
+        torch.cuda._sleep(cycles)
+        done.record()
+        started = time.perf_counter()
+        step()
+        took = time.perf_counter() - started
+        kernel_running = not done.query()
+        done.synchronize()
+        return round(took * 1e3, 3), kernel_running
+
+    idle_register = best(lambda: (register(), unregister()), repeats=3)
+    busy = {}
+    busy["register while a 10 ms kernel runs"] = while_busy(register)
+    busy["unregister while a 10 ms kernel runs"] = while_busy(unregister)
+    busy["sleep kernel alone (host ms to queue)"] = while_busy(lambda: None)
+    result["register_and_unregister_idle_ms"] = idle_register
+    result["while_busy_ms_and_still_running"] = busy
+    print("(u) busy", idle_register, busy, flush=True)
+
+    tiny = torch.zeros(16, device="cuda")
+    tables = [np.arange(k * 100, (k + 1) * 100 + 50, dtype=np.int32) for k in range(20)]
+    probes = dict(launches=lambda: [tiny.add_(1.0) for _ in range(50)],
+                  tables=lambda: [to_device(t, "cuda") for t in tables],
+                  mem_get_info=lambda: [torch.cuda.mem_get_info() for _ in range(5)],
+                  events=lambda: [torch.cuda.Event().record() for _ in range(50)])
+    contention = {}
+    with ThreadPoolExecutor(1) as pool:
+        for name, probe in probes.items():
+            alone = best(probe)
+            beside = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                locking = pool.submit(register)
+                time.sleep(0.0002)
+                started = time.perf_counter()
+                probe()
+                beside.append((time.perf_counter() - started) * 1e3)
+                locking.result()
+                unregister()
+            contention[name] = dict(alone_ms=alone, beside_locking_ms=round(min(beside), 3))
+    result["beside_locking"] = contention
+    print("(u) beside locking", contention, flush=True)
+    return result
 
 
 def volume_demeaning(rows):
@@ -1187,7 +1327,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
     parser.add_argument("--only", default="abcdev",
-                        help="which parts to run: any of a, b, c, e, v, s, 5, k, p, r, w, q, g, h, x")
+                        help="which parts to run: any of a, b, c, e, v, s, 5, k, p, r, w, q, g, h, u, o, x")
     parser.add_argument("--no-cpu", action="store_true",
                         help="(c) without our CPU path (the GPU's float64 run is the reference)")
     args = parser.parse_args()
@@ -1228,6 +1368,8 @@ def main():
     part("q", seed_settling, "seed_settling")
     part("g", lambda: dot_precisions(rows), "dot_precisions")
     part("h", host_pieces, "host_pieces")
+    part("u", driver_contention, "driver_contention")
+    part("o", host_profile, "host_profile")
     part("r", lambda: long_series_refinement(args.full), "long_series_refinement")
     part("c", lambda: defaults(rows, args.full, cpu=not args.no_cpu))
     part("v", lambda: volume_demeaning(rows), "gram_kernel_ms")

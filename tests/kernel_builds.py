@@ -72,7 +72,7 @@ def cases():
     without the rank-one term, with one projector launch and with a 16-lane one, at m = 48 and 128; the
     threshold kernel for each estimator, with and without the settling test; the box sums' kernels for each
     tile-product precision; the float64 Gram and tridiagonal kernels with a count (the settling pass chosen
-    on the device)."""
+    on the device); the division of the sums by their weights."""
     from mppca_nipype.engine.gpu import kernels
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
@@ -117,6 +117,7 @@ def cases():
             solver.projector(torch.ones(batch, dtype=torch.int32))
         yield (f"tridiagonal m={m} {str(dtype)[6:]} rank_one={rank_one} lanes={lanes} counted={counted}",
                eigen_step)
+    yield "divide rows", lambda: kernels.divide_rows(*sums, slice(5, n_rows))
     from mppca_nipype.engine.gpu.threshold import threshold_on_device
     from mppca_nipype.engine.gpu import boxsums
     from mppca_nipype.engine.gpu.pipeline import plan_slabs

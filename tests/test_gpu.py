@@ -302,26 +302,29 @@ def test_dwidenoise_mode_in_float32_with_the_mean_taken_apart_matches_cpu():
     assert gpu.info["n_settled_in_float64"] <= 0.1 * plan.n_windows
 
 
-def test_page_locked_uploads_copy_the_rows_and_unlock_every_piece():
-    """Row ranges (overlapping, on two streams) arrive intact; every piece was page-locked for its copy and
-    is unlocked by ``release`` on the uploader thread (the whole series can be page-locked again after)."""
+@pytest.mark.parametrize("threads, rounds", [(5, 3), (1, 1), (16, 4)])
+def test_staged_uploads_copy_the_rows(monkeypatch, threads, rounds):
+    """Row ranges (overlapping, on two streams) arrive intact through the staging rounds, whatever the number
+    of threads and rounds (parts of a row, empty parts); each round's copy is queued once, and the rows
+    there after each round only grow."""
     import torch
 
-    from mppca_nipype.engine.gpu.upload import PageLockedSeries, _pin
+    from mppca_nipype.engine.gpu import upload
 
-    series = np.random.default_rng(5).standard_normal((20011, 48)).astype(np.float32)
-    uploads = PageLockedSeries(series)
+    monkeypatch.setattr(upload, "STAGE_THREADS", threads)
+    monkeypatch.setattr(upload, "STAGE_ROUNDS", rounds)
+    series = np.random.default_rng(6).standard_normal((20011, 47)).astype(np.float32)
+    uploads = upload.StagedSeries(series)
     stream = torch.cuda.current_stream()
-    first = uploads.upload(slice(0, 12000), torch.device("cuda"), stream).wait(stream)
-    second = uploads.upload(slice(9000, 20011), torch.device("cuda"), torch.cuda.Stream()).wait(stream)
-    locked = list(uploads.locked)
-    uploads.release().result()
+    arriving = uploads.upload(slice(0, 12000), torch.device("cuda"), stream)
+    arrived = list(arriving.arrivals(stream))  # whole rows there after each round
+    first = arriving.wait(stream)
+    second = uploads.upload(slice(19999, 20011), torch.device("cuda"), torch.cuda.Stream()).wait(stream)
     torch.cuda.synchronize()
-    assert len(locked) == 8 and all(locked) and uploads.locked == [None] * 8
+    assert len(arrived) == rounds and arrived[-1] == 12000 and arrived == sorted(arrived)
     np.testing.assert_array_equal(first.cpu().numpy(), series[:12000])
-    np.testing.assert_array_equal(second.cpu().numpy(), series[9000:])
-    assert _pin(series.ctypes.data, series.nbytes)
-    torch.cuda.cudart().cudaHostUnregister(series.ctypes.data)
+    np.testing.assert_array_equal(second.cpu().numpy(), series[19999:])
+    assert sorted(uploads.queued_at) == list(range(rounds))
 
 
 def test_the_seeds_geometry_runs_with_one_wait_for_the_device():

@@ -965,20 +965,41 @@ def test_slab_planes_follow_the_free_device_memory(monkeypatch):
     assert pipeline.slab_planes(torch.device("cpu"), plan, 100) == 40
 
 
-@pytest.mark.parametrize("rows", [5000, 3, 1])
-def test_page_locked_pieces_are_page_aligned_and_cover_the_series(rows):
-    """The series is page-locked in pieces whose inner bounds fall on page boundaries (two pieces never
-    share a page) and which cover it in order; a series not aligned to its items is one piece."""
-    from mppca_nipype.engine.gpu.upload import PAGE_BYTES, piece_bounds
+def test_the_switch_interval_is_short_within_and_restored_after_the_last_overlapping_use():
+    """``upload.switching_often`` shortens the interpreter's switch interval (never lengthens it) and puts
+    back the caller's once the last of overlapping uses ends, after an error too."""
+    from mppca_nipype.engine.gpu import upload
 
-    series = np.zeros((rows, 48), np.float32)
-    bounds = piece_bounds(series, pieces=8)
-    assert bounds[0] == 0 and bounds[-1] == series.size and (np.diff(bounds) > 0).all()
-    assert all((series.ctypes.data + 4 * bound) % PAGE_BYTES == 0 for bound in bounds[1:-1])
-    if series.nbytes >= 16 * PAGE_BYTES:
-        assert len(bounds) == 9
-    unaligned = np.zeros(series.nbytes + 1, np.uint8)[1:].view(np.float32).reshape(series.shape)
-    assert piece_bounds(unaligned, pieces=8) == [0, series.size]
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(4e-3)
+        with upload.switching_often():
+            assert sys.getswitchinterval() == pytest.approx(upload.SWITCH_INTERVAL)
+            with pytest.raises(RuntimeError):
+                with upload.switching_often():
+                    raise RuntimeError("inner")
+            assert sys.getswitchinterval() == pytest.approx(upload.SWITCH_INTERVAL)  # the outer use goes on
+        assert sys.getswitchinterval() == pytest.approx(4e-3)
+        sys.setswitchinterval(1e-6)
+        with upload.switching_often():
+            assert sys.getswitchinterval() == pytest.approx(1e-6)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_a_countdown_is_set_by_its_last_part_or_raises_a_parts_error():
+    from mppca_nipype.engine.gpu.upload import _Countdown
+
+    countdown = _Countdown(3)
+    countdown.done()
+    countdown.done()
+    assert not countdown.event.is_set()
+    countdown.done()
+    countdown.wait()
+    failing = _Countdown(2)
+    failing.failed(MemoryError("copy"))
+    with pytest.raises(MemoryError):
+        failing.wait()
 
 
 @interpreted

@@ -18,7 +18,8 @@ Here, for windows at corners (a, b, c) of extent (ex, ey, ez) on a (X, Y, Z) sla
 * Reconstruction: the adjoint. The projectors scaled by their window's weight, Q (A, B, C, T, T), are spread
   back over x (``_range_sums_kernel`` again: each plane sums the run of windows holding it) and over y, giving
   R (X, Y, C, T, T); ``_apply_kernel`` then adds to each voxel x_v (sum over its z-windows c of R[x, y, c])
-  + m_v sum_W w_W. No atomics: every voxel is written by one program. The windows' (w, w sigma, w rank)
+  + m_v sum_W w_W, and the voxel's sums of w, w sigma, w rank to the maps. No atomics: every voxel is written
+  by one program. The windows' (w, w sigma, w rank)
   go through the same spreads.
 
 Float32 throughout: the sums are in a tree (ez, then ey, then ex terms) rather than one running sum, and
@@ -50,12 +51,12 @@ DOT_PRECISION = dict(outer="ieee", apply="tf32x3")
 
 
 @triton.jit
-def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, n_windows, width, n_z: tl.constexpr,
+def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, first_line, n_windows, width, n_z: tl.constexpr,
                        n_volumes: tl.constexpr, extent: tl.constexpr, DOT: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_T: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)  # the z-window varies fastest: neighbours share rows
     window = program % n_windows
-    line = program // n_windows
+    line = first_line + program // n_windows
     z0 = tl.load(corner_ptr + window)
     j = tl.arange(0, BLOCK_E)
     t = tl.arange(0, BLOCK_T)
@@ -85,9 +86,9 @@ def _range_sums_kernel(in_ptr, start_ptr, count_ptr, out_ptr, n_in_rows, n_out_r
 
 
 @triton.jit
-def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, weight_ptr, image_ptr,
-                  first_line, n_windows, width, n_z: tl.constexpr, n_volumes: tl.constexpr, extent: tl.constexpr,
-                  DOT: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_T: tl.constexpr):
+def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, maps_ptr, image_ptr, weight_ptr,
+                  sigma_ptr, rank_ptr, first_line, n_windows, width, n_z: tl.constexpr, n_volumes: tl.constexpr,
+                  extent: tl.constexpr, DOT: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_T: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)
     n_blocks: tl.constexpr = (n_z + BLOCK_Z - 1) // BLOCK_Z
     block = program % n_blocks
@@ -109,10 +110,16 @@ def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, w
         inside = (z >= z0) & (z < z0 + extent)
         spread = tl.load(spread_ptr + (line * n_windows + window) * width + offsets, mask=tile, other=0.0)
         restored = tl.dot(tl.where(inside[:, None], x, 0.0), spread, restored, input_precision=DOT)
-    weight = tl.load(weight_ptr + rows, mask=z_valid, other=0.0)
+    # the voxel's sums of w, w sigma, w rank over its windows (``spread``), added into the maps here too
+    weight = tl.load(maps_ptr + rows * 3, mask=z_valid, other=0.0)
     restored += mean[:, None] * weight[:, None]
     image = image_ptr + rows[:, None] * n_volumes + t[None, :]
     tl.store(image, tl.load(image, mask=valid, other=0.0) + restored, mask=valid)
+    tl.store(weight_ptr + rows, tl.load(weight_ptr + rows, mask=z_valid, other=0.0) + weight, mask=z_valid)
+    tl.store(sigma_ptr + rows, tl.load(sigma_ptr + rows, mask=z_valid, other=0.0)
+             + tl.load(maps_ptr + rows * 3 + 1, mask=z_valid, other=0.0), mask=z_valid)
+    tl.store(rank_ptr + rows, tl.load(rank_ptr + rows, mask=z_valid, other=0.0)
+             + tl.load(maps_ptr + rows * 3 + 2, mask=z_valid, other=0.0), mask=z_valid)
 
 
 def applies(plan, options, finite, n_volumes, dtype, fused) -> bool:
@@ -143,9 +150,48 @@ def _cover(corners, extent, size):
     return first, stop - first
 
 
+#: The device tables of the last few slab geometries (``_geometry``), kept across runs: a dataset's runs share
+#: one geometry, and each table's upload is a few CUDA calls of the set-up before the first kernel.
+GEOMETRY_CACHE = 4
+_geometries = {}
+
+
+def _geometry(plan, slab, device):
+    """The slab's grid of windows (a, b, c) and its tables on ``device``: per axis, the runs of rows each sum
+    reads (a window's extent of rows from its corner: the Gram) and the run of windows holding each row (the
+    reconstruction's spread); the z-windows each block of ``BLOCK_Z`` voxels meets (``_apply_kernel``).
+    Cached by the plan's geometry and the slab's bounds (the windows of a full grid follow from them)."""
+    key = (str(device), plan.spatial_shape, plan.extent, plan.stride, slab.windows.start, slab.windows.stop,
+           slab.first, slab.stop)
+    if key in _geometries:
+        return _geometries[key]
+    _, ny, nz = plan.spatial_shape
+    shape = (slab.stop - slab.first, ny, nz)
+    corner_x = np.unique(plan.window_corner[slab.windows, 0]) - slab.first
+    corners = [corner_x] + [window_positions(s, e, plan.stride) for s, e in zip((ny, nz), plan.extent[1:])]
+    grid = tuple(len(c) for c in corners)
+    if int(np.prod(grid)) != slab.windows.stop - slab.windows.start:
+        raise ValueError("the box sums take a slab whose windows are a full grid")
+
+    def on_device(*arrays):
+        return tuple(to_device(np.asarray(a, dtype=np.int32), device) for a in arrays)
+
+    windows = [on_device(c, np.full(len(c), e)) for c, e in zip(corners, plan.extent)]
+    cover = [on_device(*_cover(c, e, s)) for c, e, s in zip(corners, plan.extent, shape)]
+    starts = np.arange(0, nz, BLOCK_Z)
+    stops = np.minimum(starts + BLOCK_Z, nz)
+    lowest = np.searchsorted(corners[2] + plan.extent[2], starts, side="right")
+    highest = np.searchsorted(corners[2], stops - 1, side="right")
+    while len(_geometries) >= GEOMETRY_CACHE:
+        _geometries.pop(next(iter(_geometries)))
+    _geometries[key] = grid, windows, cover, on_device(lowest, highest)
+    return _geometries[key]
+
+
 class BoxSums:
     """One slab's windows (a full grid of corners) by box sums: ``gram(volume)`` (W, T, T) in the plan's
-    window order; then ``add_windows`` per batch (the weighted projectors and scalars), ``accumulate`` once.
+    window order; then ``add_windows`` per batch (the weighted projectors and scalars), ``accumulate`` once
+    (``spread`` first to run its first half earlier).
     The geometry's tables and the scratch are set up at construction, before the slab's (V, T) float32
     ``volume`` need be on the device (its upload runs meanwhile)."""
 
@@ -157,88 +203,84 @@ class BoxSums:
         _, ny, nz = plan.spatial_shape
         nx = slab.stop - slab.first
         self.shape, self.extent, self.n_volumes = (nx, ny, nz), plan.extent, n_volumes
-        corner_x = np.unique(plan.window_corner[slab.windows, 0]) - slab.first
-        corners = [corner_x] + [window_positions(s, e, plan.stride) for s, e in zip((ny, nz), plan.extent[1:])]
-        self.grid = tuple(len(c) for c in corners)
-        if int(np.prod(self.grid)) != slab.windows.stop - slab.windows.start:
-            raise ValueError("the box sums take a slab whose windows are a full grid")
-
-        def on_device(*arrays):
-            return tuple(to_device(np.asarray(a, dtype=np.int32), device) for a in arrays)
-
-        # per axis, the runs of rows each sum reads: a window's extent of rows from its corner (Gram); the run
-        # of windows holding a row (the reconstruction's spread)
-        self.windows = [on_device(c, np.full(len(c), e)) for c, e in zip(corners, plan.extent)]
-        self.cover = [on_device(*_cover(c, e, s)) for c, e, s in zip(corners, plan.extent, self.shape)]
-        # the z-windows each block of BLOCK_Z voxels meets (for _apply_kernel)
-        starts = np.arange(0, nz, BLOCK_Z)
-        stops = np.minimum(starts + BLOCK_Z, nz)
-        lowest = np.searchsorted(corners[2] + plan.extent[2], starts, side="right")
-        highest = np.searchsorted(corners[2], stops - 1, side="right")
-        self.z_blocks = on_device(lowest, highest)
+        self.grid, self.windows, self.cover, self.z_blocks = _geometry(plan, slab, torch.device(device))
         a, b, c = self.grid
         self.width = self.n_volumes ** 2  # floats per T x T block
-        self.projectors = torch.zeros((a * b * c, self.width), dtype=torch.float32, device=device)
-        self.scalars = torch.zeros((a * b * c, 3), dtype=torch.float32, device=device)
+        # (every window's place is written by the first pass's batches before anything reads it)
+        self.projectors = torch.empty((a * b * c, self.width), dtype=torch.float32, device=device)
+        self.scalars = torch.empty((a * b * c, 3), dtype=torch.float32, device=device)
         self._lines = torch.empty((nx * ny * c, self.width), dtype=torch.float32, device=device)  # S1, then R
         self._planes = torch.empty((nx * b * c, self.width), dtype=torch.float32, device=device)  # S2, x-spread
+        self._voxel_maps = None  # (V, 3) w, w sigma, w rank per voxel, once ``spread``
 
-    def gram(self, volume):
+    def gram(self, volume, arrivals=()):
         """The Gram matrices (W, T, T) float32 of every window, in the plan's order (x, then y, then z), of
-        the slab's ``volume`` (its rows, (V, T) float32)."""
+        the slab's ``volume`` (its rows, (V, T) float32). ``arrivals``: while the rows are arriving, the
+        number of whole rows there so far, after each part (the outer products of the lines in them are
+        queued then); the rest once it is exhausted."""
         (nx, ny, nz), ez, (a, b, c), width = self.shape, self.extent[2], self.grid, self.width
         m = self.n_volumes
         z_corners = self.windows[2][0]
-        _outer_sums_kernel[(c * nx * ny,)](volume, z_corners, self._lines, c, width, nz, m, ez,
-                                         DOT=self.dot["outer"],
-                                         BLOCK_E=max(16, triton.next_power_of_2(ez)),
-                                         BLOCK_T=kernels.block_volumes(m), num_warps=4)
+        done = 0  # lines whose outer products are queued
+        for stop in _then_all(arrivals, nx * ny * nz):
+            lines = min(stop // nz, nx * ny)
+            if lines > done:
+                _outer_sums_kernel[(c * (lines - done),)](volume, z_corners, self._lines, done, c, width, nz, m, ez,
+                                                          DOT=self.dot["outer"],
+                                                          BLOCK_E=max(16, triton.next_power_of_2(ez)),
+                                                          BLOCK_T=kernels.block_volumes(m), num_warps=4)
+                done = lines
         _range_sums(self._lines, self.windows[1], self._planes, nx, ny, b, c * width)
         gram = torch.empty((a * b * c, width), dtype=torch.float32, device=volume.device)
         _range_sums(self._planes, self.windows[0], gram, 1, nx, a, b * c * width)
         return gram.view(a * b * c, m, m)
 
-    def add_windows(self, windows, projector, weight, sigma, rank, written=None):
+    def add_windows(self, windows, projector, weight, sigma, rank):
         """A batch's projectors (B, T, T) and its windows' weight, sigma and rank (B,), for ``accumulate``:
-        ``windows`` a slice of the slab's windows, or a (B,) tensor of their places (distinct) of which, with
-        ``written`` ((B,) bool), only those marked replace what an earlier batch gave (the settling pass:
-        the others hold no window, their numbers anything)."""
-        weighted = (projector * weight[:, None, None]).reshape(len(weight), -1)
-        scalars = torch.stack((weight, weight * sigma, weight * rank), dim=1)
-        if written is not None:
-            weighted = torch.where(written[:, None], weighted, self.projectors[windows])
-            scalars = torch.where(written[:, None], scalars, self.scalars[windows])
-        self.projectors[windows] = weighted
-        self.scalars[windows] = scalars
+        ``windows`` a slice of the slab's windows or a (B,) tensor of their places (distinct), replacing what
+        an earlier batch gave there."""
+        self.projectors[windows] = (projector * weight[:, None, None]).reshape(len(weight), -1)
+        self.scalars[windows] = torch.stack((weight, weight * sigma, weight * rank), dim=1)
+
+    def spread(self):
+        """The first half of ``accumulate``: the windows' weighted projectors and scalars spread back over x
+        and y (and the scalars over z), from what ``add_windows`` holds now."""
+        (nx, ny, nz), (a, b, c), width = self.shape, self.grid, self.width
+        device = self.projectors.device
+        _range_sums(self.projectors, self.cover[0], self._planes, 1, a, nx, b * c * width)
+        _range_sums(self._planes, self.cover[1], self._lines, nx, b, ny, c * width)
+        maps = torch.empty((nx * b * c, 3), dtype=torch.float32, device=device)
+        _range_sums(self.scalars, self.cover[0], maps, 1, a, nx, b * c * 3)
+        lines = torch.empty((nx * ny * c, 3), dtype=torch.float32, device=device)
+        _range_sums(maps, self.cover[1], lines, nx, b, ny, c * 3)
+        self._voxel_maps = torch.empty((nx * ny * nz, 3), dtype=torch.float32, device=device)
+        _range_sums(lines, self.cover[2], self._voxel_maps, nx * ny, c, nz, 3)
 
     def accumulate(self, volume, image, weight, sigma, rank, planes_per_piece=None, on_final=None):
         """Add every window's w (X_c P + mean) of the slab's ``volume`` into ``image`` (V, T) and w, w sigma,
-        w rank into the maps (V,).
+        w rank into the maps (V,) (after ``spread``, or spreading first).
         The last step (each voxel's row) runs in pieces of ``planes_per_piece`` x-planes (default all), each
         followed by ``on_final(stop)``: the rows before ``stop`` hold their sums (a caller's download of them
         can run beside the next piece)."""
-        (nx, ny, nz), (a, b, c), width = self.shape, self.grid, self.width
-        _range_sums(self.projectors, self.cover[0], self._planes, 1, a, nx, b * c * width)
-        _range_sums(self._planes, self.cover[1], self._lines, nx, b, ny, c * width)
-        maps = torch.empty((nx * b * c, 3), dtype=torch.float32, device=image.device)
-        _range_sums(self.scalars, self.cover[0], maps, 1, a, nx, b * c * 3)
-        lines = torch.empty((nx * ny * c, 3), dtype=torch.float32, device=image.device)
-        _range_sums(maps, self.cover[1], lines, nx, b, ny, c * 3)
-        voxels = torch.empty((nx * ny * nz, 3), dtype=torch.float32, device=image.device)
-        _range_sums(lines, self.cover[2], voxels, nx * ny, c, nz, 3)
-        voxel_weight = voxels[:, 0].contiguous()
+        if self._voxel_maps is None:
+            self.spread()
+        (nx, ny, nz), c, width = self.shape, self.grid[2], self.width
+        voxels, self._voxel_maps = self._voxel_maps, None
         step = planes_per_piece or nx
         for x0 in range(0, nx, step):
             x1 = min(x0 + step, nx)
             _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * (x1 - x0) * ny,)](
-                volume, self._lines, self.windows[2][0], *self.z_blocks, voxel_weight, image, x0 * ny, c,
-                width, nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], BLOCK_Z=BLOCK_Z,
+                volume, self._lines, self.windows[2][0], *self.z_blocks, voxels, image, weight, sigma, rank,
+                x0 * ny, c, width, nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], BLOCK_Z=BLOCK_Z,
                 BLOCK_T=kernels.block_volumes(self.n_volumes), num_warps=4)
-            rows = slice(x0 * ny * nz, x1 * ny * nz)
-            for target, column in zip((weight, sigma, rank), voxels[rows].unbind(dim=1)):
-                target[rows] += column
             if on_final is not None:
-                on_final(rows.stop)
+                on_final(x1 * ny * nz)
+
+
+def _then_all(arrivals, n_rows):
+    """The row counts ``arrivals`` yields, then ``n_rows`` (all of them)."""
+    yield from arrivals
+    yield n_rows
 
 
 def _range_sums(source, runs, out, n_outer, n_source_rows, n_out_rows, width):

@@ -276,6 +276,39 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
             BLOCK_N=_block_voxels(n_volumes), BLOCK_T=block_volumes(n_volumes), num_warps=4)
 
 
+# -- the sums divided by their weights --------------------------------------------------------------------
+
+#: Rows per program of ``_divide_rows_kernel``.
+DIVIDE_ROWS = 32
+
+
+@triton.jit
+def _divide_rows_kernel(image_ptr, weight_ptr, sigma_ptr, rank_ptr, first, stop, n_volumes,
+                        BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = first + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < stop
+    weight = tl.load(weight_ptr + rows, mask=valid, other=1.0)
+    divisor = tl.where(weight > 0, weight, 1.0)  # a voxel no window served keeps its sums, 0
+    tl.store(sigma_ptr + rows, tl.load(sigma_ptr + rows, mask=valid, other=0.0) / divisor, mask=valid)
+    tl.store(rank_ptr + rows, tl.load(rank_ptr + rows, mask=valid, other=0.0) / divisor, mask=valid)
+    for t0 in range(0, n_volumes, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        element_valid = valid[:, None] & (t < n_volumes)[None, :]
+        image = image_ptr + rows[:, None] * n_volumes + t[None, :]
+        tl.store(image, tl.load(image, mask=element_valid, other=0.0) / divisor[:, None], mask=element_valid)
+
+
+def divide_rows(image, weight, sigma, rank, rows: slice):
+    """``image`` (V, T) and the ``sigma`` and ``rank`` maps (V,) divided by ``weight`` in ``rows``, in place
+    (rows of weight 0 keep their sums, 0): one launch for what took five torch operations."""
+    first, stop = rows.start, rows.stop
+    if stop > first:
+        n_volumes = image.shape[1]
+        _divide_rows_kernel[(triton.cdiv(stop - first, DIVIDE_ROWS),)](
+            image, weight, sigma, rank, first, stop, n_volumes, BLOCK_R=DIVIDE_ROWS,
+            BLOCK_T=min(64, triton.next_power_of_2(n_volumes)), num_warps=4)
+
+
 # -- centre rows (center aggregation) -----------------------------------------------------------------------
 
 @triton.jit

@@ -64,6 +64,7 @@ it adds anything into the sums.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 import time
 
@@ -73,7 +74,7 @@ import torch
 from ..estimators import aggregation_weights, marchenko_pastur_threshold
 from . import boxsums, kernels
 from .eigh import BatchedEigh, ProjectorFromVectors
-from .upload import PageLockedSeries, to_device
+from .upload import StagedSeries, Upload, switching_often, to_device
 from .threshold import threshold_on_device
 from .tridiagonal import MAX_ORDER as TRIDIAGONAL_MAX_ORDER, TridiagonalEigh
 
@@ -347,7 +348,8 @@ def ranks_and_settling(values, n_voxels, n_volumes, estimator, delta=None):
 
 
 def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, device=None, path="auto",
-                eigensolver="auto", precision="auto", max_batch=None, normalize=True, settle=True, planes=None):
+                eigensolver="auto", precision="auto", max_batch=None, normalize=True, settle=True, planes=None,
+                timeline=False):
     """Run the plan on a CUDA device and return the per-voxel values (``engine.PatchSums``).
 
     With ``normalize`` (the default) the sums are divided by the weights on the device and come back
@@ -369,88 +371,99 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     (one of ``PATHS``: how the first pass's Gram and reconstruction are computed; "auto": the box sums where
     ``boxsums.applies`` and their scratch fits, else the fused kernels where they fit, else gathered),
     ``eigensolver`` (one of ``EIGENSOLVERS``), ``precision`` ("auto", "float32", "float64": of the Gram and
-    eigensolver), ``max_batch``, ``planes`` (x-planes of window corners per slab; default from the free memory).
-    ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process.
+    eigensolver), ``max_batch``, ``planes`` (x-planes of window corners per slab; default from the free memory),
+    ``timeline`` (``info["timeline_ms"]``: where the host and the device were at each step; off by default, its
+    CUDA events cost host time). ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process.
     """
-    from .. import PatchSums
-
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, not {path!r}")
-    started = time.perf_counter()
     device = torch.device(device or "cuda")
+    # the upload's threads get the GIL when they need it, not after Python's default 5 ms
+    with switching_often() if device.type == "cuda" else nullcontext():
+        return _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolver, precision, max_batch,
+                            normalize, settle, planes, timeline)
+
+
+def _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolver, precision, max_batch, normalize,
+                 settle, planes, timed):
+    """``denoise_gpu``'s run."""
+    from .. import PatchSums
+
+    started = time.perf_counter()
     on_gpu = device.type == "cuda"
-    timeline = _Timeline(device)
+    timeline = _Timeline(device, timed)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
     n_volumes = data.shape[3]
     host_volume = np.ascontiguousarray(data.reshape(-1, n_volumes), dtype=np.float32)
-    host_finite = np.ascontiguousarray(finite.reshape(-1), dtype=np.float32)
-    every_voxel_finite = bool(host_finite.all())
     slabs = plan_slabs(plan, planes or slab_planes(device, plan, n_volumes))
     # the series' copies on a stream of their own: the run's set-up work queued meanwhile does not wait for them
     copies = torch.cuda.Stream(device) if on_gpu else None
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
-    series = PageLockedSeries(host_volume) if on_gpu else None
+    series = StagedSeries(host_volume) if on_gpu else None
 
     def upload(slab):
-        """Start the slab's series and finite flags on their way to the device (the series on the copy stream)."""
+        """Start the slab's series on its way to the device (on the copy stream)."""
         rows = slice(slab.first * plane, slab.stop * plane)
         if not on_gpu:
-            return to_device(host_volume[rows], device), to_device(host_finite[rows], device)
+            return to_device(host_volume[rows], device)
         with torch.cuda.stream(copies):
-            rows_on_the_way = series.upload(rows, device, copies)
-        if every_voxel_finite:  # filled on the device, no copy
-            return rows_on_the_way, torch.ones(rows.stop - rows.start, dtype=torch.float32, device=device)
-        return rows_on_the_way, to_device(host_finite[rows], device)
+            return series.upload(rows, device, copies)
 
     uploads = {}  # slab number -> what ``upload`` returned
+    every_voxel_finite = bool(finite.all())
+    host_finite = None if every_voxel_finite else np.ascontiguousarray(finite.reshape(-1), dtype=np.float32)
 
     def rows_of(number):
-        """Slab ``number``'s series and finite flags, for work queued on the current stream from now on; called
-        once the slab's tables are set up. The next slab's upload starts here, to run beside this one's work."""
+        """Slab ``number``'s series (on a GPU: an ``upload.Upload`` whose parts the current stream is to wait
+        for) and finite flags; called once the slab's tables are set up. The next slab's upload starts here,
+        to run beside this one's work."""
         if number + 1 < len(slabs):
             uploads[number + 1] = upload(slabs[number + 1])
-        if not on_gpu:
-            return uploads.pop(number)
-        rows_on_the_way, finite_rows = uploads.pop(number)
-        return rows_on_the_way.wait(torch.cuda.current_stream(device)), finite_rows
+        slab = slabs[number]
+        rows = slice(slab.first * plane, slab.stop * plane)
+        if every_voxel_finite:  # filled on the device, no copy
+            finite_rows = torch.ones(rows.stop - rows.start, dtype=torch.float32, device=device)
+        else:
+            finite_rows = to_device(host_finite[rows], device)
+        return uploads.pop(number), finite_rows
 
     carried, done_windows = None, 0
     report = (lambda done: progress(done_windows + done, plan.n_windows)) if progress else None
-    try:
-        # the uploader thread locks and copies while this one sets the run up (measured on the H200's host,
-        # seventh session: the seed's first kernel at 6.8 ms this way, at 11.7 ms with the set-up first)
-        uploads[0] = upload(slabs[0])
-        run = _PlanRun(plan, options, device, path, precision, max_batch, settle, eigensolver, n_volumes)
-        outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=on_gpu)
-                   for shape in ((len(host_volume), n_volumes),) + ((len(host_volume),),) * 3]
-        downloads = torch.cuda.Stream(device) if on_gpu else None
-        timeline.mark("set up")
-        for number, slab in enumerate(slabs):
-            sums = _SlabSums((slab.stop - slab.first) * plane, n_volumes, device, carried)
-            final = (slab.done - slab.first) * plane
-            finisher = _Finisher(sums, outputs, slab.first * plane, final, normalize, downloads)
-            run.slab(slab, lambda: rows_of(number), sums, report, data, finite, on_final=finisher.up_to,
-                     timeline=timeline)
-            done_windows = slab.windows.stop
-            finisher.up_to(final)
-            carried = sums.tail(final)
-        run.download_counts()
-        timeline.mark("all queued")
-        if on_gpu:
-            downloaded = torch.cuda.Event()
-            downloaded.record(downloads)
-            torch.cuda.current_stream(device).wait_event(downloaded)
-            torch.cuda.current_stream(device).synchronize()  # the run's one wait, unless a pass needed the host
-            timeline.mark("done")
-            # (max_memory_allocated flattens every statistic into a dict in Python: 161 calls, seventh session)
-            peak = torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"]
-            device_name = torch.cuda.get_device_name(device)
-        else:
-            peak, device_name = 0, "cpu (Triton interpreter)"
-    finally:
-        if series is not None:  # unlocked on the uploader thread once its copies are done (after an error too)
-            series.release()
+    # the first thing: the helper threads stage and copy while this one sets the run up
+    uploads[0] = upload(slabs[0])
+    timeline.mark("upload started")
+    run = _PlanRun(plan, options, device, path, precision, max_batch, settle, eigensolver, n_volumes)
+    timeline.mark("plan's tables")
+    outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=on_gpu)
+               for shape in ((len(host_volume), n_volumes),) + ((len(host_volume),),) * 3]
+    downloads = torch.cuda.Stream(device) if on_gpu else None
+    timeline.mark("set up")
+    for number, slab in enumerate(slabs):
+        sums = _SlabSums((slab.stop - slab.first) * plane, n_volumes, device, carried)
+        final = (slab.done - slab.first) * plane
+        finisher = _Finisher(sums, outputs, slab.first * plane, final, normalize, downloads)
+        timeline.mark("slab's sums")
+        run.slab(slab, lambda: rows_of(number), sums, report, data, finite, on_final=finisher.up_to,
+                 timeline=timeline)
+        done_windows = slab.windows.stop
+        finisher.up_to(final)
+        carried = sums.tail(final)
+    run.download_counts()
+    timeline.mark("all queued")
+    if on_gpu:
+        downloaded = torch.cuda.Event()
+        downloaded.record(downloads)
+        torch.cuda.current_stream(device).wait_event(downloaded)
+        torch.cuda.current_stream(device).synchronize()  # the run's one wait, unless a pass needed the host
+        timeline.mark("done")
+        for piece, at in sorted(series.queued_at.items()):  # (the uploader thread's)
+            timeline.note(f"round {piece}'s copy queued", at)
+        # (max_memory_allocated flattens every statistic into a dict in Python: 161 calls, seventh session)
+        peak = torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"]
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        peak, device_name = 0, "cpu (Triton interpreter)"
     image, weight, sigma, rank = (x.numpy() for x in outputs)
     return PatchSums(image, weight, sigma, rank, normalized=normalize,
                      info=dict(backend="gpu", device=device_name, eigensolver=run.solver.backend,
@@ -460,7 +473,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
                                n_settled_in_float64=run.settled(), n_redone_on_cpu=run.n_redone_on_cpu,
                                eigenvalues_refined=bool(run.refine), mean_taken_apart=run.mean_apart,
                                gpu_peak_bytes=int(peak), seconds_engine=time.perf_counter() - started,
-                               timeline_ms=timeline.milliseconds()))
+                               **(dict(timeline_ms=timeline.milliseconds()) if timed else {})))
 
 
 class _SlabSums:
@@ -484,11 +497,7 @@ class _SlabSums:
 
     def divide(self, rows: slice):
         """Values instead of sums in ``rows``: 0 where no patch served the voxel (its sums are 0)."""
-        weight = self.weight[rows]
-        divisor = torch.where(weight > 0, weight, torch.ones_like(weight))
-        self.image[rows] /= divisor[:, None]
-        self.sigma[rows] /= divisor
-        self.rank[rows] /= divisor
+        kernels.divide_rows(self.image, self.weight, self.sigma, self.rank, rows)
 
     def add(self, rows, image, weight, sigma, rank, replace=False):
         """Add host-computed values into rows (or, with ``replace``, write them: centre aggregation)."""
@@ -502,14 +511,15 @@ class _SlabSums:
 
 
 class _Timeline:
-    """Where a run's host and device are at its steps: ``mark(step)`` notes the host's time and, on a GPU,
-    records an event on the device's current stream; ``milliseconds()`` (after the final synchronisation)
-    gives [step, host ms, device ms] from the start, the device's being when it reached the step's event. A
-    few events per slab: timings without a profiler (``info["timeline_ms"]``; the suite reads them)."""
+    """Where a run's host and device are at its steps, if ``enabled``: ``mark(step)`` notes the host's time and,
+    on a GPU, records an event on the device's current stream; ``milliseconds()`` (after the final
+    synchronisation) gives [step, host ms, device ms] from the start, the device's being when it reached the
+    step's event. Timings without a profiler (``info["timeline_ms"]``; the suite reads them); each mark costs
+    the host an event's creation and record, so nothing is marked unless asked."""
 
-    def __init__(self, device):
-        self.device, self.started, self.steps = device, time.perf_counter(), []
-        self.start_event = self._event()
+    def __init__(self, device, enabled=True):
+        self.device, self.enabled, self.started, self.steps = device, enabled, time.perf_counter(), []
+        self.start_event = self._event() if enabled else None
 
     def _event(self):
         if self.device.type != "cuda":
@@ -519,12 +529,18 @@ class _Timeline:
         return event
 
     def mark(self, step):
-        self.steps.append((step, time.perf_counter(), self._event()))
+        if self.enabled:
+            self.steps.append((step, time.perf_counter(), self._event()))
+
+    def note(self, step, at):
+        """A step of the host alone (another thread's), at ``at`` (``time.perf_counter()``)."""
+        if self.enabled:
+            self.steps.append((step, at, None))
 
     def milliseconds(self):
         return [[step, round((at - self.started) * 1e3, 3),
                  round(self.start_event.elapsed_time(event), 3) if event is not None else None]
-                for step, at, event in self.steps]
+                for step, at, event in sorted(self.steps, key=lambda step: step[1])]
 
 
 class _Finisher:
@@ -582,6 +598,8 @@ class _PlanRun:
         self.fused = None
         self.takes_box_sums = None  # whether the first pass may take ``boxsums``, set with the Gram path
         self.n_box_slabs = 0
+        # the settling pass's stream beside the box sums' spread (``_settle_on_device``)
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def download_counts(self):
         """Queue the copy of the device's counts of redone windows to the host (no wait: ``settled`` reads
@@ -638,18 +656,20 @@ class _PlanRun:
                                  "and every voxel finite")
         w0, w1 = slab.windows.start, slab.windows.stop
         if w1 == w0:
-            arrive()
+            series, _ = arrive()
+            if isinstance(series, Upload):  # its copies done before its memory can be reused
+                series.wait(torch.cuda.current_stream(self.device))
             return
         row0 = slab.first * plan.spatial_shape[1] * plan.spatial_shape[2]
         box = None
         if self.takes_box_sums and (self.path == "box" or _box_fits(self.device, plan, n_volumes, slab)):
             box = boxsums.BoxSums(plan, slab, n_volumes, self.device)
             self.n_box_slabs += 1
+            mark("box sums' tables")
         context = _SlabContext(self, slab, sums, row0, box)
         mark("slab set up")
-        rows = arrive()
+        context.start(*arrive())
         mark("rows arrived")
-        context.start(*rows)
         step = self.step or batch_size(self.device, w1 - w0, n_voxels, n_volumes, self.dtype, self.fused,
                                        self.solver, self.max_batch, self.refine)
         verdicts, self.step, retries = run_in_batches(
@@ -691,18 +711,36 @@ class _PlanRun:
     def _settle_on_device(self, context, redo):
         """The settling pass without the host: the windows to redo (``redo`` (W,) bool on the device) sorted
         first, their number left on the device, and float64 batches over all the slab's places whose kernels
-        return at once past that number (each launch sized for every window, the work for the few redone)."""
-        count = redo.sum()
-        order = torch.argsort(redo.to(torch.int8), descending=True, stable=True)
-        self.settled_on_device.append(count)
-        n_voxels, n_volumes = self.plan.patch_size, context.volume.shape[1]
-        step = batch_size(self.device, len(redo), n_voxels, n_volumes, torch.float64, True, self.solver,
-                          self.max_batch)
-        _, _, retries = run_in_batches(
-            len(redo), step, lambda a, b: context.batch(_Chosen(order[a:b], (count - a).clamp(0, b - a)),
-                                                        torch.float64, True, False),
-            on_retry=self.solver.release_workspaces)
-        self.retries += retries
+        return at once past that number (each launch sized for every window, the work for the few redone).
+
+        With the box sums, the pass runs on a stream of its own beside the first pass's spread (its few
+        hundred windows leave most of the device idle; they had weight 0 in the first pass) and adds its
+        windows with the fused reconstruction; the current stream then waits for it before the box sums'
+        last step. Every tensor it reads that the current stream allocated stays referenced until that wait
+        is queued (so no block it reads is handed to the current stream's later work before it is done)."""
+        first_pass = torch.cuda.Event() if self.side is not None else None
+        if first_pass is not None:
+            first_pass.record(torch.cuda.current_stream(self.device))
+        if context.box is not None:
+            context.box.spread()
+        with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
+            if first_pass is not None:
+                self.side.wait_event(first_pass)
+            count = redo.sum()
+            order = torch.argsort(redo.to(torch.int8), descending=True, stable=True)
+            self.settled_on_device.append(count)
+            n_voxels, n_volumes = self.plan.patch_size, context.volume.shape[1]
+            step = batch_size(self.device, len(redo), n_voxels, n_volumes, torch.float64, True, self.solver,
+                              self.max_batch)
+            _, _, retries = run_in_batches(
+                len(redo), step, lambda a, b: context.batch(_Chosen(order[a:b], (count - a).clamp(0, b - a)),
+                                                            torch.float64, True, False),
+                on_retry=self.solver.release_workspaces)
+            self.retries += retries
+        if self.side is not None:
+            settled = torch.cuda.Event()
+            settled.record(self.side)
+            torch.cuda.current_stream(self.device).wait_event(settled)
 
 
 @dataclass(frozen=True)
@@ -734,10 +772,17 @@ class _SlabContext:
             self.centre_position = to_device(plan.centre_position[a:b].astype(np.int64), device)
 
     def start(self, volume, finite):
-        """The slab's series (rows, T) and finite flags (rows,) on the device: the batches may run."""
-        self.volume, self.finite = volume, finite
-        if self.box is not None:
+        """The slab's series (rows, T) and finite flags (rows,) on the device, the series arriving
+        (``upload.Upload``) or there: the current stream waits for it, and the batches may run. The box sums'
+        first step runs on each part of an arriving series as it arrives."""
+        if isinstance(volume, Upload):
+            stream = torch.cuda.current_stream(self.run.device)
+            if self.box is not None:
+                self.box_gram = self.box.gram(volume.tensor, volume.arrivals(stream))
+            volume = volume.wait(stream)
+        elif self.box is not None:
             self.box_gram = self.box.gram(volume)
+        self.volume, self.finite = volume, finite
 
     def accumulate_box(self, on_final=None):
         """The box sums' reconstruction of every window (after the settling pass gave its projectors), in
@@ -824,15 +869,11 @@ class _SlabContext:
         patch_sigma = torch.sqrt(sigma2).to(torch.float32)
         patch_rank = patch_rank.to(torch.float32)
 
-        if self.box is not None:  # every pass: the settling pass's windows replace their first-pass projectors
-            places, written = windows, None
-            if isinstance(windows, _Chosen):
-                places, written = windows.index, asked
-            elif not isinstance(windows, slice):
-                places = index
-            self.box.add_windows(places, projector.to(torch.float32), patch_weight, patch_sigma, patch_rank,
-                                 written)
-        elif fused:
+        if self.box is not None and not isinstance(windows, _Chosen):
+            # the first pass, and a settling pass chosen on the host: its windows replace their projectors
+            self.box.add_windows(windows if isinstance(windows, slice) else index, projector.to(torch.float32),
+                                 patch_weight, patch_sigma, patch_rank)
+        elif fused:  # (a settling pass chosen on the device adds its windows here with the box sums too)
             projector = projector.to(torch.float32).contiguous()
             if run.center:
                 kernels.reconstruct_centres(volume, centres[0], centres[1], projector, patch_weight, patch_sigma,

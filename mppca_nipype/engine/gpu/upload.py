@@ -1,36 +1,74 @@
-"""The caller's series on the device: page-locked in place piece by piece, on a thread of this module's own.
+"""The caller's series on the device: staged through page-locked memory by a few threads, in rounds.
 
 An asynchronous host-to-device copy needs page-locked host memory, and the caller's series is pageable (a
-pageable copy ran at ~8 GB/s on the H200's host: 10.5 ms for the seed's 81 MB). Measured there (seventh
-session, suite part h): page-locking the series in place costs ~0.27 ms per 10 MB piece and unlocking the
-81 MB ~1.5 ms; the upload locked in 8 pieces, each piece's copy queued as soon as it is locked, is done
-~2.5 ms after it starts. Staging through page-locked buffers instead (8 threads copying 4 MB chunks with
-NumPy, no locking) took 4.9 ms: that host's copies ran at 17 GB/s, below its page-locking.
+pageable copy ran at ~8 GB/s on the H200's host: 10.5 ms for the seed's 81 MB). Measured there (eighth
+session, suite parts u and k):
 
-``PageLockedSeries`` locks the pieces and queues their copies on the uploader thread, so that the caller's
-thread sets its run up meanwhile and waits (``Upload.wait``) only before it queues work that reads the
-rows. One thread: locking 8 pieces on 1/2/4/8 threads at once took 2.27/2.93/3.23/3.42 ms (the driver
-serialises it; part h). ``release`` queues the unlocking on the same thread, after the copies are done, and
-returns at once: ``cudaHostUnregister`` waits until the device is idle (sixth session's timeline), and once
-the run is over its ~1.5 ms need not hold up the caller's result. The task keeps a reference to the series
-until it is unlocked; the thread takes its tasks in order, so a later series is locked after it.
+* Page-locking the series in place (``cudaHostRegister``; the seventh session's way) takes ~2.3 ms for the
+  81 MB and unlocking it ~1.5 ms, and while either runs every other CUDA call of the process waits (50 tiny
+  launches 0.5 -> 2.5 ms, 20 small table copies 0.5 -> 2.7 ms beside it); the unlocking also waits for the
+  device to be idle.
+* The host's own copy scales with threads: 15.6 / 7.4 / 4.7 / 3.1 / 2.2 ms for the 81 MB on 1 / 2 / 4 / 8 / 16.
+* A helper thread that needs the GIL while the caller's thread runs Python waits up to the interpreter's
+  switch interval (5 ms by default): ``switching_often`` shortens it during a run.
+
+``StagedSeries`` copies the rows into page-locked staging memory (torch's caching host allocator, reused
+from run to run) on ``stage_threads()`` threads in ``STAGE_ROUNDS`` rounds, and the uploader thread queues
+each round's copy to the device as soon as it is staged; nothing the driver serialises runs beside the
+caller's set-up, and nothing is left to undo after the run. The seed's problem end to end (part k, same
+run): 13.9 ms page-locked, 13.0-14.1 staged (8 threads, 4 rounds: 13.0).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+import os
+import sys
 import threading
+import time
 
 import numpy as np
 import torch
 
-#: Pieces the caller's series is page-locked in, each just before its rows are copied.
-PIN_PIECES = 8
-#: Page size for the pieces' bounds (a page-locked range must not share a page with another).
-PAGE_BYTES = 4096
+
+#: Threads that copy the caller's series into page-locked staging memory (``StagedSeries``): at most this
+#: many, and no more than the process may run on. Measured on the H200's host (suite part u, the seed's
+#: 81 MB alone: 15.6 / 7.4 / 4.7 / 3.1 / 2.2 ms on 1 / 2 / 4 / 8 / 16 threads); end to end (part k) 8 left
+#: the caller's thread the cores it needs: 13.0-13.6 ms with 8, 13.8-15.4 with 16.
+STAGE_THREADS = 8
+#: Rounds the staging runs in: each round's copy to the device is queued as soon as it is staged, and runs
+#: while the next round is copied.
+STAGE_ROUNDS = 4
+
+#: The interpreter's thread switch interval (seconds) while a run's helper threads work
+#: (``switching_often``). At Python's default of 5 ms, a helper that needs the GIL while the caller's
+#: thread runs Python waits up to 5 ms each time: the seed's 8 page-locked pieces were queued over 5.4 ms
+#: instead of 2.3 (suite part k, eighth session).
+SWITCH_INTERVAL = 2e-5
 
 _uploader = None
+_copiers = None
 _uploader_lock = threading.Lock()
+_switching = dict(depth=0, saved=None)
+
+
+@contextmanager
+def switching_often():
+    """Within: the interpreter hands the GIL to a waiting thread every ``SWITCH_INTERVAL`` seconds (if that
+    is shorter than what is set); restored after the last of overlapping uses."""
+    with _uploader_lock:
+        if _switching["depth"] == 0:
+            _switching["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switching["saved"], SWITCH_INTERVAL))
+        _switching["depth"] += 1
+    try:
+        yield
+    finally:
+        with _uploader_lock:
+            _switching["depth"] -= 1
+            if _switching["depth"] == 0:
+                sys.setswitchinterval(_switching["saved"])
 
 
 def _thread() -> ThreadPoolExecutor:
@@ -41,13 +79,23 @@ def _thread() -> ThreadPoolExecutor:
         return _uploader
 
 
-def _pin(address, nbytes) -> bool:
-    """Page-lock host memory in place (``cudaHostRegister``); True if that worked."""
+def stage_threads() -> int:
+    """``STAGE_THREADS``, at most the CPUs this process may run on."""
     try:
-        code = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-        return int(getattr(code, "value", code)) == 0
-    except Exception:  # noqa: BLE001 - pageable copies still work, only slower
-        return False
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(STAGE_THREADS, cpus))
+
+
+def _copy_threads() -> ThreadPoolExecutor:
+    global _copiers
+    with _uploader_lock:
+        if _copiers is None or _copiers._max_workers != stage_threads():  # (the suite varies the number)
+            if _copiers is not None:
+                _copiers.shutdown(wait=False)
+            _copiers = ThreadPoolExecutor(stage_threads(), thread_name_prefix="mppca-stage")
+        return _copiers
 
 
 def to_device(array, device) -> torch.Tensor:
@@ -61,79 +109,96 @@ def to_device(array, device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def piece_bounds(series: np.ndarray, pieces: int = PIN_PIECES) -> list[int]:
-    """Element bounds of the pieces of the C-contiguous ``series`` (flattened): inner bounds on page
-    boundaries, so that no two pieces share a page; one piece if the series is not aligned to its items."""
-    start, size, bounds = series.ctypes.data, series.itemsize, [0]
-    if start % size == 0:
-        for k in range(1, pieces):
-            aligned = -(-(start + series.nbytes * k // pieces) // PAGE_BYTES) * PAGE_BYTES
-            element = (aligned - start) // size
-            if bounds[-1] < element < series.size:
-                bounds.append(element)
-    return bounds + [series.size]
-
-
 class Upload:
-    """Rows of the series on their way to the device: ``wait(stream)`` returns the device tensor once every
-    piece's copy is queued, and makes ``stream`` wait for those copies (not for later ones on the upload's
-    stream); it raises a thread's error."""
+    """Rows of the series on their way to the device, in parts (``queued``: futures of the event after each
+    part's copy; ``stops``: where each part ends, in elements from the first row): ``arrivals(stream)``
+    makes ``stream`` wait for each part in turn as its copy is queued and yields the whole rows there so
+    far; ``wait(stream)`` waits for all and returns the device tensor. A thread's error is raised there."""
 
-    def __init__(self, queued, tensor):
-        self._queued, self.tensor = queued, tensor
+    def __init__(self, queued, stops, tensor):
+        self._queued, self._stops, self.tensor = list(queued), list(stops), tensor
+
+    def arrivals(self, stream):
+        while self._queued:
+            stream.wait_event(self._queued.pop(0).result())
+            yield int(self._stops.pop(0)) // self.tensor.shape[1]
+        self.tensor.record_stream(stream)
 
     def wait(self, stream) -> torch.Tensor:
-        for piece in self._queued:
-            stream.wait_event(piece.result())
-        self.tensor.record_stream(stream)
+        for _ in self.arrivals(stream):
+            pass
         return self.tensor
 
 
-class PageLockedSeries:
-    """The caller's contiguous (V, T) float32 series, uploaded by row ranges (``upload``) from its own
-    memory, page-locked piece by piece (``piece_bounds``) on the uploader thread; ``release()`` unlocks it
-    there once the copies are done. Pieces that cannot be locked (an unaligned series, or the driver
-    refuses) are copied from pageable memory, each waiting for its stream."""
+class _Countdown:
+    """Set once ``count`` parts are done (``done()``), or at the first part's error (``failed(error)``);
+    ``wait()`` raises that error."""
+
+    def __init__(self, count):
+        self.left, self.error, self.lock, self.event = count, None, threading.Lock(), threading.Event()
+
+    def done(self):
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                self.event.set()
+
+    def failed(self, error):
+        self.error = error
+        self.event.set()
+
+    def wait(self):
+        self.event.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class StagedSeries:
+    """The caller's contiguous (V, T) float32 series, uploaded by row ranges (``upload``) through page-locked
+    staging memory (torch's caching host allocator: reused from call to call). The rows go up in
+    ``STAGE_ROUNDS`` consecutive rounds: in each, ``stage_threads()`` threads copy a part of the round with
+    NumPy (no CUDA call, so nothing the driver serialises; one GIL hand-over per thread and round), and the
+    uploader thread queues the round's copy to the device as soon as its parts are staged, while the next
+    round is copied. Nothing of the caller's memory is locked, so nothing is left to undo; the staging memory
+    goes back to torch's cache once its copies are done."""
 
     def __init__(self, series: np.ndarray):
         self.series, self.flat, self.n_volumes = series, series.reshape(-1), series.shape[1]
-        self.bounds = piece_bounds(series)
-        self.locked = [None] * (len(self.bounds) - 1)  # per piece: None (not tried yet), True, False (failed)
-        self._copied = []  # an event after each piece's copy
+        self.queued_at = {}  # round -> perf_counter() when its copy was queued (for a run's timeline)
 
     def upload(self, rows: slice, device, stream) -> Upload:
-        """Start copying rows ``rows`` to ``device`` on ``stream`` (the tensor is allocated on the caller's
-        current stream)."""
+        """Start staging and copying rows ``rows`` to ``device`` on ``stream`` (the tensor is allocated on
+        the caller's current stream)."""
         tensor = torch.empty((rows.stop - rows.start, self.n_volumes), dtype=torch.float32, device=device)
         first, stop = rows.start * self.n_volumes, rows.stop * self.n_volumes
-        pieces = [piece for piece in range(len(self.locked))
-                  if max(first, self.bounds[piece]) < min(stop, self.bounds[piece + 1])]
-        return Upload([_thread().submit(self._copy, piece, first, stop, tensor.reshape(-1), stream)
-                       for piece in pieces], tensor)
+        staging = torch.empty(stop - first, dtype=torch.float32, pin_memory=True)
+        staged, source, flat_out = staging.numpy(), self.flat[first:stop], tensor.reshape(-1)
+        threads = stage_threads()
+        rounds = np.linspace(0, stop - first, max(1, STAGE_ROUNDS) + 1).astype(np.int64)
+        staged_rounds = [_Countdown(threads) for _ in rounds[1:]]
 
-    def _copy(self, piece, first, stop, flat_out, stream):
-        """(On the uploader thread) lock ``piece`` if it is not yet, and queue the copy of its part of the
-        rows ``first:stop`` (flat elements); returns the event after the copy."""
-        low, high = max(first, self.bounds[piece]), min(stop, self.bounds[piece + 1])
-        if self.locked[piece] is None:
-            part = self.flat[self.bounds[piece]:self.bounds[piece + 1]]
-            self.locked[piece] = _pin(part.ctypes.data, part.nbytes)
-        with torch.cuda.stream(stream):
-            flat_out[low - first:high - first].copy_(torch.from_numpy(self.flat[low:high]),
-                                                     non_blocking=self.locked[piece])
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        self._copied.append(copied)
-        return copied
+        def copy_parts(thread):
+            """(On a copying thread) this thread's part of every round, in order."""
+            for number, (a, b) in enumerate(zip(rounds[:-1], rounds[1:])):
+                low, high = a + (b - a) * thread // threads, a + (b - a) * (thread + 1) // threads
+                try:
+                    np.copyto(staged[low:high], source[low:high])
+                except BaseException as error:  # noqa: BLE001 - handed to the waiting uploader thread
+                    staged_rounds[number].failed(error)
+                    return
+                staged_rounds[number].done()
 
-    def release(self):
-        """Queue the unlocking of the locked pieces, after every copy queued so far (returns a future)."""
-        return _thread().submit(self._unlock)
+        def queue(number):
+            """(On the uploader thread) the round's copy to the device, once it is staged."""
+            staged_rounds[number].wait()
+            a, b = int(rounds[number]), int(rounds[number + 1])
+            with torch.cuda.stream(stream):
+                flat_out[a:b].copy_(staging[a:b], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            self.queued_at[number] = time.perf_counter()
+            return copied
 
-    def _unlock(self):
-        for copied in self._copied:
-            copied.synchronize()
-        for piece, locked in enumerate(self.locked):
-            if locked:
-                torch.cuda.cudart().cudaHostUnregister(self.flat[self.bounds[piece]:].ctypes.data)
-                self.locked[piece] = None
+        for thread in range(threads):
+            _copy_threads().submit(copy_parts, thread)
+        return Upload([_thread().submit(queue, number) for number in range(len(staged_rounds))], rounds[1:], tensor)
