@@ -563,9 +563,9 @@ def test_slabs_with_a_halo_give_what_one_slab_gives(kernels, path, aggregation, 
                                                                ((7, 10, 6), 20, (3, 3, 3), 3),
                                                                ((6, 7, 13), 33, (3, 5, 7), 4)])
 def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, stride):
-    """Each window's Gram of its voxel-centred patch, and the sums of w (X_c P + mean), w, w sigma, w rank
-    over the windows holding each voxel, against float64 loops over the windows (awkward T, extents, and a
-    stride above the extent on one axis)."""
+    """Each window's Gram of its voxel-centred patch (computed at once, and as the rows arrive in parts),
+    and the sums of w (X_c P + mean), w, w sigma, w rank over the windows holding each voxel, against float64
+    loops over the windows (awkward T, extents, and a stride above the extent on one axis)."""
     from mppca_nipype.engine.gpu.boxsums import BoxSums
     from mppca_nipype.engine.gpu.pipeline import plan_slabs
 
@@ -582,6 +582,10 @@ def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, str
     gram = box.gram(box_volume).numpy()
     expected = patches.transpose(0, 2, 1) @ patches
     assert np.abs(gram - expected).max() < 1e-6 * np.abs(expected).max()
+    # the rows arriving in parts (a part of a line, a line, nothing new, several planes): the same sums
+    plane = shape[1] * shape[2]
+    arriving = [shape[2] // 2, shape[2], shape[2], plane + 1, 3 * plane - 1]
+    np.testing.assert_array_equal(box.gram(box_volume, iter(arriving)).numpy(), gram)
 
     n_windows = plan.n_windows
     projector = rng.standard_normal((n_windows, n_volumes, n_volumes))

@@ -159,7 +159,8 @@ _geometries = {}
 def _geometry(plan, slab, device):
     """The slab's grid of windows (a, b, c) and its tables on ``device``: per axis, the runs of rows each sum
     reads (a window's extent of rows from its corner: the Gram) and the run of windows holding each row (the
-    reconstruction's spread); the z-windows each block of ``BLOCK_Z`` voxels meets (``_apply_kernel``).
+    reconstruction's spread); the z-windows each block of ``BLOCK_Z`` voxels meets (``_apply_kernel``); and
+    on the host, the x-plane after each corner's windows along x (``gram_in_parts``).
     Cached by the plan's geometry and the slab's bounds (the windows of a full grid follow from them)."""
     key = (str(device), plan.spatial_shape, plan.extent, plan.stride, slab.windows.start, slab.windows.stop,
            slab.first, slab.stop)
@@ -184,7 +185,7 @@ def _geometry(plan, slab, device):
     highest = np.searchsorted(corners[2], stops - 1, side="right")
     while len(_geometries) >= GEOMETRY_CACHE:
         _geometries.pop(next(iter(_geometries)))
-    _geometries[key] = grid, windows, cover, on_device(lowest, highest)
+    _geometries[key] = grid, windows, cover, on_device(lowest, highest), corners[0] + plan.extent[0]
     return _geometries[key]
 
 
@@ -203,7 +204,8 @@ class BoxSums:
         _, ny, nz = plan.spatial_shape
         nx = slab.stop - slab.first
         self.shape, self.extent, self.n_volumes = (nx, ny, nz), plan.extent, n_volumes
-        self.grid, self.windows, self.cover, self.z_blocks = _geometry(plan, slab, torch.device(device))
+        self.grid, self.windows, self.cover, self.z_blocks, self.x_corner_ends = _geometry(plan, slab,
+                                                                                         torch.device(device))
         a, b, c = self.grid
         self.width = self.n_volumes ** 2  # floats per T x T block
         # (every window's place is written by the first pass's batches before anything reads it)
@@ -215,25 +217,44 @@ class BoxSums:
 
     def gram(self, volume, arrivals=()):
         """The Gram matrices (W, T, T) float32 of every window, in the plan's order (x, then y, then z), of
-        the slab's ``volume`` (its rows, (V, T) float32). ``arrivals``: while the rows are arriving, the
-        number of whole rows there so far, after each part (the outer products of the lines in them are
-        queued then); the rest once it is exhausted."""
+        the slab's ``volume`` (its rows, (V, T) float32); ``arrivals`` as for ``gram_in_parts``."""
+        for _ in self.gram_in_parts(volume, arrivals):
+            pass
+        return self.grams
+
+    def gram_in_parts(self, volume, arrivals=()):
+        """Queue the Gram matrices of every window into ``self.grams`` (W, T, T) as the slab's rows arrive,
+        yielding the number of windows (in the plan's order) whose Gram is queued so far each time it grows.
+        ``arrivals``: while the rows are arriving, the number of whole rows there so far after each part;
+        the outer products of the lines there and the y-sums of the x-planes there are queued then, and the
+        x-sums of the windows all of whose planes are there; the rest once it is exhausted."""
         (nx, ny, nz), ez, (a, b, c), width = self.shape, self.extent[2], self.grid, self.width
         m = self.n_volumes
         z_corners = self.windows[2][0]
-        done = 0  # lines whose outer products are queued
+        self.grams = torch.empty((a * b * c, m, m), dtype=torch.float32, device=volume.device)
+        grams = self.grams.view(a * b * c, width)
+        x_starts, x_counts = self.windows[0]
+        # lines whose outer products, x-planes whose y-sums, corners along x whose windows' x-sums are queued
+        lines_done = planes_done = corners_done = 0
         for stop in _then_all(arrivals, nx * ny * nz):
             lines = min(stop // nz, nx * ny)
-            if lines > done:
-                _outer_sums_kernel[(c * (lines - done),)](volume, z_corners, self._lines, done, c, width, nz, m, ez,
-                                                          DOT=self.dot["outer"],
-                                                          BLOCK_E=max(16, triton.next_power_of_2(ez)),
-                                                          BLOCK_T=kernels.block_volumes(m), num_warps=4)
-                done = lines
-        _range_sums(self._lines, self.windows[1], self._planes, nx, ny, b, c * width)
-        gram = torch.empty((a * b * c, width), dtype=torch.float32, device=volume.device)
-        _range_sums(self._planes, self.windows[0], gram, 1, nx, a, b * c * width)
-        return gram.view(a * b * c, m, m)
+            if lines > lines_done:
+                _outer_sums_kernel[(c * (lines - lines_done),)](
+                    volume, z_corners, self._lines, lines_done, c, width, nz, m, ez, DOT=self.dot["outer"],
+                    BLOCK_E=max(16, triton.next_power_of_2(ez)), BLOCK_T=kernels.block_volumes(m), num_warps=4)
+                lines_done = lines
+            planes = lines // ny
+            if planes > planes_done:  # (the planes' rows of S1 and S2 as tensors of their own)
+                _range_sums(self._lines[planes_done * ny * c:planes * ny * c], self.windows[1],
+                            self._planes[planes_done * b * c:planes * b * c], planes - planes_done, ny, b, c * width)
+                planes_done = planes
+            corners = int(np.searchsorted(self.x_corner_ends, planes, side="right"))
+            if corners > corners_done:
+                _range_sums(self._planes, (x_starts[corners_done:corners], x_counts[corners_done:corners]),
+                            grams[corners_done * b * c:corners * b * c], 1, nx, corners - corners_done,
+                            b * c * width)
+                corners_done = corners
+                yield corners * b * c
 
     def add_windows(self, windows, projector, weight, sigma, rank):
         """A batch's projectors (B, T, T) and its windows' weight, sigma and rank (B,), for ``accumulate``:

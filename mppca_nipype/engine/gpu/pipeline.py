@@ -17,8 +17,10 @@ Per batch, with no host synchronisation:
    solver's projector onto the kept eigenvectors, ``aggregation_weights`` times the window's multiplicity.
 4. Reconstruction added into (V, T) image and (V,) weight/sigma/rank sums on the device (atomics), or for
    ``center`` each centre row written to its voxel; with the box sums, the weighted projectors of the whole
-   slab spread back over x and y and applied to each voxel once, after the settling pass (no atomics), in
-   pieces whose rows are downloaded while the next piece computes (``_Finisher``).
+   slab's first pass spread back over x and y and applied to each voxel once (no atomics), after the
+   settling pass added its windows, in pieces whose rows are downloaded while the next piece computes
+   (``_Finisher``). With the box sums the first pass also runs in parts, on the windows whose rows have
+   arrived while the rest of the series is staged and copied (``_SlabContext.start``).
 
 Demeaning: ``voxel`` removes each voxel's temporal mean (T - 1 volumes go to the estimator); ``volume``
 removes the patch's mean time course over its finite voxels (n_eff - 1 voxels go to the estimator; the
@@ -41,7 +43,8 @@ if the eigenvalues moved by ``SETTLE_SLACK`` float32 roundings of the largest (`
 for the tridiagonal kernels, whose error is smaller; ``unsettled_ranks``), gives
 them weight 0, and after the first pass redoes them, with any failed eigensolves, in float64 on the device:
 chosen on the device (``_PlanRun.settles_on_device``: fused kernels, tridiagonal eigensolver, weighted or
-uniform aggregation; the run then waits for the device once, at its end), else after one synchronisation.
+uniform aggregation; the run then waits for the device once, at its end; on a stream of its own beside the
+first pass's end), else after one synchronisation.
 
 On long series (gathered path, m >= ``REFINE_MIN_ORDER``: T > 128 with the defaults) a float32 eigensolve's
 error (~eps lambda_max) exceeds the spacing of the noise bulk, and the test above would flag most windows
@@ -121,6 +124,9 @@ PROJECTOR_GAP_LIMIT = 1e-2
 #: 16-lane projector launch; same ranks and settled windows. False: ``marchenko_pastur_threshold`` on torch
 #: tensors (the reference; tests compare the two under the interpreter).
 FUSED_THRESHOLD = True
+#: Priority of the settling pass's stream beside the box sums' spread (``_settle_on_device``; lower is
+#: higher, -1 or below the highest torch gives).
+SETTLE_PRIORITY = -1
 
 
 def gram_precision(options, precision: str = "auto", mean_apart: bool = False) -> torch.dtype:
@@ -546,12 +552,15 @@ class _Timeline:
 class _Finisher:
     """A slab's rows before ``final`` divided by their weights (with ``normalize``) and copied into the host
     ``outputs`` from row ``first`` on, as they get their last addition (``up_to``): on the GPU, downloaded
-    on the ``downloads`` stream while the device goes on computing."""
+    on the ``downloads`` stream while the device goes on computing. The image's rows go as they are
+    finished, the three maps' (1/T of the image each) all at once with the last rows: fewer copies to queue
+    (the host's queueing was the run's critical path there, eighth session's timeline)."""
 
     def __init__(self, sums, outputs, first, final, normalize, downloads):
         self.sums, self.outputs, self.first, self.final = sums, outputs, first, final
         self.normalize, self.downloads, self.done = normalize, downloads, 0
         if downloads is not None:
+            self.computing = torch.cuda.current_stream(downloads.device)
             for values in sums.tensors():  # read by the downloads: not reused before they are done
                 values.record_stream(downloads)
 
@@ -562,17 +571,20 @@ class _Finisher:
             return
         if self.normalize:
             self.sums.divide(rows)
-        targets = [host[self.first + rows.start:self.first + rows.stop] for host in self.outputs]
+        copies = [(self.outputs[0], self.sums.image, rows)]
+        if rows.stop == self.final:
+            everything = slice(0, self.final)
+            copies += [(host, values, everything) for host, values in zip(self.outputs[1:], self.sums.tensors()[1:])]
         if self.downloads is None:
-            for target, values in zip(targets, self.sums.tensors()):
-                target.copy_(values[rows])
+            for host, values, part in copies:
+                host[self.first + part.start:self.first + part.stop].copy_(values[part])
         else:
             divided = torch.cuda.Event()
-            divided.record(torch.cuda.current_stream(self.downloads.device))
+            divided.record(self.computing)
             self.downloads.wait_event(divided)
             with torch.cuda.stream(self.downloads):
-                for target, values in zip(targets, self.sums.tensors()):
-                    target.copy_(values[rows], non_blocking=True)
+                for host, values, part in copies:
+                    host[self.first + part.start:self.first + part.stop].copy_(values[part], non_blocking=True)
         self.done = rows.stop
 
 
@@ -598,8 +610,9 @@ class _PlanRun:
         self.fused = None
         self.takes_box_sums = None  # whether the first pass may take ``boxsums``, set with the Gram path
         self.n_box_slabs = 0
-        # the settling pass's stream beside the box sums' spread (``_settle_on_device``)
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the settling pass's stream beside the box sums' spread (``_settle_on_device``): of high priority, so
+        # that its short chain of small launches is not queued behind the spread's many programs
+        self.side = torch.cuda.Stream(device, priority=SETTLE_PRIORITY) if device.type == "cuda" else None
 
     def download_counts(self):
         """Queue the copy of the device's counts of redone windows to the host (no wait: ``settled`` reads
@@ -668,27 +681,31 @@ class _PlanRun:
             mark("box sums' tables")
         context = _SlabContext(self, slab, sums, row0, box)
         mark("slab set up")
-        context.start(*arrive())
-        mark("rows arrived")
         step = self.step or batch_size(self.device, w1 - w0, n_voxels, n_volumes, self.dtype, self.fused,
                                        self.solver, self.max_batch, self.refine)
-        verdicts, self.step, retries = run_in_batches(
-            w1 - w0, step, lambda a, b: context.batch(slice(a, b), self.dtype, self.fused, self.settle,
-                                                      self.refine),
-            on_batch=report, on_retry=self.solver.release_workspaces)
-        self.retries += retries
+        verdicts, first = [], 0
+        for ready in context.start(*arrive()):  # windows first..ready can run: their rows are there
+            part, step, retries = run_in_batches(
+                ready - first, step, lambda a, b, first=first: context.batch(
+                    slice(first + a, first + b), self.dtype, self.fused, self.settle, self.refine),
+                on_batch=(lambda stop, first=first: report(first + stop)) if report else None,
+                on_retry=self.solver.release_workspaces)
+            verdicts += part
+            self.retries += retries
+            first = ready
+            mark(f"first pass to window {ready} queued")
+        self.step = step
         context.box_gram = None  # the first pass is done with it
-        mark("first pass queued")
 
-        redo = torch.cat([info for info, _ in verdicts]) != 0
-        if self.settle:
-            redo |= torch.cat([left for _, left in verdicts])
         if self.settles_on_device(n_voxels, n_volumes):
-            self._settle_on_device(context, redo)
+            self._settle_on_device(context, verdicts)
             mark("settling pass queued")
             context.accumulate_box(on_final)
             mark("reconstruction queued")
             return
+        redo = torch.cat([info for info, _ in verdicts]) != 0
+        if self.settle:
+            redo |= torch.cat([left for _, left in verdicts])
         # one look at the verdicts, after all the work is queued
         redo = torch.nonzero(redo).reshape(-1).cpu().numpy()
         failed = redo
@@ -708,24 +725,26 @@ class _PlanRun:
             rows, values, replace = _cpu_contributions(data, finite_host, plan, self.options, failed + w0)
             sums.add(rows - row0, *values, replace=replace)
 
-    def _settle_on_device(self, context, redo):
-        """The settling pass without the host: the windows to redo (``redo`` (W,) bool on the device) sorted
-        first, their number left on the device, and float64 batches over all the slab's places whose kernels
-        return at once past that number (each launch sized for every window, the work for the few redone).
+    def _settle_on_device(self, context, verdicts):
+        """The settling pass without the host: the windows to redo (from the first pass's ``verdicts``: a
+        failed eigensolve or an unsettled rank) sorted first, their number left on the device, and float64
+        batches over all the slab's places whose kernels return at once past that number (each launch sized
+        for every window, the work for the few redone).
 
-        With the box sums, the pass runs on a stream of its own beside the first pass's spread (its few
-        hundred windows leave most of the device idle; they had weight 0 in the first pass) and adds its
-        windows with the fused reconstruction; the current stream then waits for it before the box sums'
-        last step. Every tensor it reads that the current stream allocated stays referenced until that wait
-        is queued (so no block it reads is handed to the current stream's later work before it is done)."""
-        first_pass = torch.cuda.Event() if self.side is not None else None
-        if first_pass is not None:
-            first_pass.record(torch.cuda.current_stream(self.device))
+        On a GPU the pass runs on a stream of its own (``self.side``, of high priority), from the moment the
+        first pass's verdicts are known (``_SlabContext.verdicts_ready``: before its projectors), beside the
+        rest of the first pass and the box sums' spread (its few hundred windows leave most of the device
+        idle; they had weight 0 in the first pass); it adds its windows with the fused reconstruction, and
+        the current stream waits for it before the box sums' last step. Every tensor it reads that the current
+        stream allocated stays referenced until that wait is queued (so no block it reads is handed to the
+        current stream's later work before it is done)."""
         if context.box is not None:
             context.box.spread()
         with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
-            if first_pass is not None:
-                self.side.wait_event(first_pass)
+            if self.side is not None:
+                self.side.wait_event(context.verdicts_ready)
+            redo = torch.cat([info for info, _ in verdicts]) != 0
+            redo |= torch.cat([left for _, left in verdicts])
             count = redo.sum()
             order = torch.argsort(redo.to(torch.int8), descending=True, stable=True)
             self.settled_on_device.append(count)
@@ -761,6 +780,7 @@ class _SlabContext:
         device, plan = run.device, run.plan
         self.run, self.sums, self.box = run, sums, box
         self.volume = self.finite = self.box_gram = None  # once the slab's rows are there (``start``)
+        self.verdicts_ready = None  # an event after the first pass's last verdicts (on a GPU, with ``run.side``)
         windows = slab.windows
         self.base = to_device(run.window_base[windows] - row0, device)
         self.multiplicity = to_device(plan.multiplicity[windows].astype(np.float64), device)
@@ -773,16 +793,24 @@ class _SlabContext:
 
     def start(self, volume, finite):
         """The slab's series (rows, T) and finite flags (rows,) on the device, the series arriving
-        (``upload.Upload``) or there: the current stream waits for it, and the batches may run. The box sums'
-        first step runs on each part of an arriving series as it arrives."""
+        (``upload.Upload``) or there. Yields how many of the slab's windows (in order) the first pass may run
+        so far; once exhausted, the current stream has waited for the whole series. With the box sums, the
+        Gram matrices of the windows whose rows are there are queued as each part of the series arrives, so
+        that the first pass runs on them while the rest arrives."""
+        self.finite, n_windows = finite, len(self.base)
+        arrivals = ()
         if isinstance(volume, Upload):
-            stream = torch.cuda.current_stream(self.run.device)
-            if self.box is not None:
-                self.box_gram = self.box.gram(volume.tensor, volume.arrivals(stream))
-            volume = volume.wait(stream)
-        elif self.box is not None:
-            self.box_gram = self.box.gram(volume)
-        self.volume, self.finite = volume, finite
+            arrivals = volume.arrivals(torch.cuda.current_stream(self.run.device))
+            volume = volume.tensor  # (its rows are read by work queued after their arrival only)
+        self.volume, ready = volume, 0
+        if self.box is not None:
+            for ready in self.box.gram_in_parts(volume, arrivals):
+                self.box_gram = self.box.grams
+                yield ready
+        for _ in arrivals:  # (without the box sums: all of them before any window runs)
+            pass
+        if ready < n_windows:
+            yield n_windows
 
     def accumulate_box(self, on_final=None):
         """The box sums' reconstruction of every window (after the settling pass gave its projectors), in
@@ -846,12 +874,12 @@ class _SlabContext:
         values, info, scale = _eigenvalues_of(run.solver, gram, dtype, refine, rank_one, n_took_part, volume_mean,
                                               count)
         # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
-        usable_voxels, usable_volumes = n_took_part - int(demean == "volume"), n_volumes - int(demean == "voxel")
+        usable_voxels = n_took_part - 1 if demean == "volume" else n_took_part
+        usable_volumes = n_volumes - int(demean == "voxel")
         delta = (rounding_uncertainty(values, REFINED_SETTLE_SLACK if refine else run.settle_slack, scale)
                  if settle else None)
         patch_rank, sigma2, unsettled = ranks_and_settling(values, usable_voxels, usable_volumes,
                                                            options.estimator, delta)
-        projector = run.solver.projector(patch_rank)
         keep = info == 0
         if asked is not None:  # the places past the count hold no window (their numbers are left unwritten)
             keep &= asked
@@ -861,6 +889,10 @@ class _SlabContext:
             if rank_one:
                 unsettled |= unresolved_projectors(values, patch_rank, scale)
             keep &= ~unsettled
+            if run.side is not None:  # the verdicts are known: a settling pass on the side may start
+                self.verdicts_ready = torch.cuda.Event()
+                self.verdicts_ready.record(torch.cuda.current_stream(device))
+        projector = run.solver.projector(patch_rank)
         if run.center:
             patch_weight = keep.to(torch.float32)
         else:  # where, not a product: a place left unwritten may hold any number

@@ -38,8 +38,10 @@ import torch
 #: the caller's thread the cores it needs: 13.0-13.6 ms with 8, 13.8-15.4 with 16.
 STAGE_THREADS = 8
 #: Rounds the staging runs in: each round's copy to the device is queued as soon as it is staged, and runs
-#: while the next round is copied.
-STAGE_ROUNDS = 4
+#: while the next round is copied (and the box sums' first pass runs on the windows whose rows are there).
+#: The seed's problem (part k, best of 7 in 3 interleaved blocks): 12.3 / 12.0 / 13.2 ms in 2 / 3 / 4 rounds
+#: (each part of the first pass costs the host ~1.4 ms to queue).
+STAGE_ROUNDS = 3
 
 #: The interpreter's thread switch interval (seconds) while a run's helper threads work
 #: (``switching_often``). At Python's default of 5 ms, a helper that needs the GIL while the caller's
