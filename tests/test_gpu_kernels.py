@@ -991,6 +991,26 @@ def test_the_switch_interval_is_short_within_and_restored_after_the_last_overlap
         sys.setswitchinterval(before)
 
 
+def test_the_box_sums_geometry_is_kept_per_geometry_and_slab_and_the_cache_stays_small(monkeypatch):
+    from mppca_nipype.engine.gpu import boxsums
+    from mppca_nipype.engine.gpu.pipeline import plan_slabs
+
+    monkeypatch.setattr(boxsums, "_geometries", {})
+    everywhere = np.ones((14, 12, 20), bool)
+    plan = plan_patches(everywhere.shape, (5, 5, 5), 3, everywhere, everywhere)
+    whole, half = plan_slabs(plan, 14)[0], plan_slabs(plan, 6)[0]
+    first = boxsums._geometry(plan, whole, torch.device("cpu"))
+    assert boxsums._geometry(plan, whole, torch.device("cpu")) is first  # nothing uploaded again
+    again = plan_patches(everywhere.shape, (5, 5, 5), 3, everywhere, everywhere)  # another plan, same geometry
+    assert boxsums._geometry(again, whole, torch.device("cpu")) is first
+    assert boxsums._geometry(plan, half, torch.device("cpu")) is not first
+    assert first[0] == (4, 4, 6) and list(first[4]) == [5, 8, 11, 14]  # grid; x-plane after each corner's windows
+    for extent in (3, 4, 6, 7, 8):
+        other = plan_patches(everywhere.shape, (extent,) * 3, 3, everywhere, everywhere)
+        boxsums._geometry(other, plan_slabs(other, 14)[0], torch.device("cpu"))
+    assert len(boxsums._geometries) == boxsums.GEOMETRY_CACHE
+
+
 def test_a_countdown_is_set_by_its_last_part_or_raises_a_parts_error():
     from mppca_nipype.engine.gpu.upload import _Countdown
 

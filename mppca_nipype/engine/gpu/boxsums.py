@@ -162,6 +162,8 @@ def _geometry(plan, slab, device):
     reconstruction's spread); the z-windows each block of ``BLOCK_Z`` voxels meets (``_apply_kernel``); and
     on the host, the x-plane after each corner's windows along x (``gram_in_parts``).
     Cached by the plan's geometry and the slab's bounds (the windows of a full grid follow from them)."""
+    if device.type == "cuda" and device.index is None:  # the GPU "cuda" means now
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (str(device), plan.spatial_shape, plan.extent, plan.stride, slab.windows.start, slab.windows.stop,
            slab.first, slab.stop)
     if key in _geometries:
