@@ -773,8 +773,8 @@ class _Chosen:
 
 class _SlabContext:
     """One slab's windows on the device: their corner rows within the slab, multiplicities, centres; and with
-    ``box`` (``boxsums.BoxSums``) the first pass's Gram matrices of all of them, and every pass's projectors
-    until ``accumulate_box`` reconstructs them all at once."""
+    ``box`` (``boxsums.BoxSums``) the first pass's Gram matrices of all of them, and its projectors (with a
+    settling pass chosen on the host, that pass's too) until ``accumulate_box`` reconstructs them all at once."""
 
     def __init__(self, run, slab, sums, row0, box=None):
         device, plan = run.device, run.plan
@@ -813,8 +813,9 @@ class _SlabContext:
             yield n_windows
 
     def accumulate_box(self, on_final=None):
-        """The box sums' reconstruction of every window (after the settling pass gave its projectors), in
-        ``FINAL_PIECES`` pieces along x with ``on_final(stop)`` after each when given."""
+        """The box sums' reconstruction of every window they hold (after the settling pass: its windows are
+        in the box, or already added by the fused reconstruction), in ``FINAL_PIECES`` pieces along x with
+        ``on_final(stop)`` after each when given."""
         if self.box is not None:
             planes = -(-self.box.shape[0] // FINAL_PIECES) if on_final is not None else None
             self.box.accumulate(self.volume, *self.sums.tensors(), planes_per_piece=planes, on_final=on_final)
