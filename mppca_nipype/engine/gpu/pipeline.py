@@ -890,7 +890,8 @@ class _SlabContext:
             if rank_one:
                 unsettled |= unresolved_projectors(values, patch_rank, scale)
             keep &= ~unsettled
-            if run.side is not None:  # the verdicts are known: a settling pass on the side may start
+            if run.side is not None and run.settles_on_device(n_voxels, n_volumes):
+                # the verdicts are known: the settling pass on the side stream may start
                 self.verdicts_ready = torch.cuda.Event()
                 self.verdicts_ready.record(torch.cuda.current_stream(device))
         projector = run.solver.projector(patch_rank)

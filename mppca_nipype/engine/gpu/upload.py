@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-import os
 import sys
 import threading
 import time
@@ -83,12 +82,10 @@ def _thread() -> ThreadPoolExecutor:
 
 
 def stage_threads() -> int:
-    """``STAGE_THREADS``, at most the CPUs this process may run on."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(STAGE_THREADS, cpus))
+    """``STAGE_THREADS``, at most the CPUs this process may use (``engine.available_cpus``)."""
+    from .. import available_cpus
+
+    return max(1, min(STAGE_THREADS, available_cpus()))
 
 
 def _copy_threads() -> ThreadPoolExecutor:
@@ -168,7 +165,7 @@ class StagedSeries:
     run (as much as the largest slab's series, rounded up to a power of two)."""
 
     def __init__(self, series: np.ndarray):
-        self.series, self.flat, self.n_volumes = series, series.reshape(-1), series.shape[1]
+        self.flat, self.n_volumes = series.reshape(-1), series.shape[1]
         self.queued_at = {}  # round -> perf_counter() when its copy was queued (for a run's timeline)
 
     def upload(self, rows: slice, device, stream) -> Upload:
