@@ -28,9 +28,9 @@
     profiler: device time per stage and kernel.
 (r) long series (T = 300, 1000; windows of (c)'s phantoms): the float32 eigensolve's eigenvalue errors, the
     float64 Rayleigh quotients of its eigenvectors, the ranks and the windows each settling criterion flags.
-(w) the tridiagonal kernels' time per warps per program (values, Householder alone, projector in one launch
-    and with a 16-lane launch for ranks <= 16), float32 at m = 48, 64 and float64 at m = 48 (the settling
-    pass's size, 1,500 matrices, and 12,600).
+(w) the tridiagonal kernels' time (values with and without the multisection start, Householder alone,
+    projector), float32 at m = 48, 64 and float64 at m = 48 (a settling pass's
+    sizes: 1,500 and 437 matrices).
 (q) the seed's windows: the tridiagonal kernels' float32 eigenvalue errors and what each settling slack
     flags (and misses).
 (g) the fused kernels' tile products in float32 ("ieee") or as three TF32 products ("tf32x3"): each kernel
@@ -427,11 +427,11 @@ def seed_ladder(rows, skip_torch_eigh):
                      **errors(result.denoised, reference, truth), peak_gib=peak / 2**30))
 
 
-def seed_quick(rows, blocks=3):
+def seed_quick(rows, blocks=3, only=()):
     """(k) the seed's problem: ours and the article's final step, and variants of ours, each best of 7 in
     ``blocks`` rounds over all the variants (the machine drifts by ~1 ms over a minute: the best of the
     blocks is kept), with the timeline of one more run each."""
-    from mppca_nipype.engine.gpu import pipeline, upload
+    from mppca_nipype.engine.gpu import pipeline, tridiagonal, upload
 
     noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
     data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
@@ -441,12 +441,12 @@ def seed_quick(rows, blocks=3):
     variants = [("fused kernels + XsyevBatched, batch 2048 (article's final step)",
                  dict(path="fused", max_batch=2048, eigensolver="xsyev"), {}),
                 ("ours: denoise_gpu (auto)", dict(), {}),
-                ("ours, the settling pass's stream of normal priority", dict(), {(pipeline, "SETTLE_PRIORITY"): 0}),
-                ("ours, the reconstruction in 4 pieces", dict(), {(pipeline, "FINAL_PIECES"): 4}),
-                ("ours, Python's 5 ms switch interval", dict(), {(upload, "SWITCH_INTERVAL"): 5e-3})]
-    variants += [(f"ours, staged by {threads} threads in {rounds} rounds", dict(),
-                  {(upload, "STAGE_THREADS"): threads, (upload, "STAGE_ROUNDS"): rounds})
-                 for threads, rounds in ((8, 2), (8, 4))]
+                ("ours, the first pass queued by the host (no graphs)", dict(), {(pipeline, "GRAPHS"): False}),
+                ("ours, bisection from Gershgorin's interval (no multisection)", dict(),
+                 {(tridiagonal, "MULTISECTION"): False})]
+    variants += [(f"ours, staged in {rounds} rounds", dict(), {(upload, "STAGE_ROUNDS"): rounds})
+                 for rounds in (2, 4, 6)]
+    variants = [variant for variant in variants if not only or any(word in variant[0] for word in only)]
     best = {}
     for block in range(blocks):
         for name, kwargs, settings in variants:
@@ -467,8 +467,18 @@ def seed_quick(rows, blocks=3):
             rows.append(dict(problem="seed (quick)", variant=name, ms=min(best[name]),
                              **errors(denoised, reference, truth), peak_gib=peak / 2**30))
             result[name] = dict(ms=min(best[name]), ms_by_block=best[name], timeline_ms=marked.info["timeline_ms"],
-                                gram_path=sums.info["gram_path"], n_settled=sums.info["n_settled_in_float64"])
+                                gram_path=sums.info["gram_path"], n_settled=sums.info["n_settled_in_float64"],
+                                first_pass=sums.info.get("first_pass"))
             print(rows[-1], result[name], flush=True)
+    # a geometry's first runs: the first pass queued by the host (kernels built before), captured, replayed
+    pipeline._FirstPassGraphs._kept.clear()
+    first_runs = []
+    for _ in range(4):
+        started = time.perf_counter()
+        sums = denoise_gpu(data, finite, plan, options)
+        first_runs.append((sums.info["first_pass"], round((time.perf_counter() - started) * 1e3, 2)))
+    result["a geometry's first runs (ms)"] = first_runs
+    print(first_runs, flush=True)
     return result
 
 
@@ -717,53 +727,51 @@ def seed_settling():
 
 
 def tridiagonal_warps(count=12_600):
-    """(w) issue 5: the tridiagonal kernels' time per warps per program on ``count`` seed-like Gram
-    matrices (float32, m = 48, 64; float64, m = 48, also 1,500 of them as in a settling pass): values
-    (Householder + bisection), Householder alone (no bisection step),
-    projector; each checked against float64 XsyevBatched (largest eigenvalue error over the largest
+    """(w) issue 5: the tridiagonal kernels on ``count`` seed-like Gram matrices (float32, m = 48, 64, one
+    warp a matrix; float64, m = 48, two warps, 1,500 and 437 of them as in a settling pass): values
+    (Householder + bisection) with or without the multisection start, Householder alone (no bisection step), the projector (16-lane launch for ranks <= 16
+    and the rest); each checked against float64 XsyevBatched (largest eigenvalue error over the largest
     eigenvalue, largest projector deviation)."""
+    from mppca_nipype.engine.gpu import tridiagonal
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh, _block, _values_kernel
 
     xsyev, rows = BatchedEigh("cuda"), []
-    for m, dtype, batch, warp_counts in ((48, torch.float32, count, (1, 2, 4, 8)),
-                                         (64, torch.float32, count, (1, 2, 4, 8)),
-                                         (48, torch.float64, 1500, (1, 2, 4, 8)),
-                                         (48, torch.float64, count, (2, 4, 8))):
+    for m, dtype, batch in ((48, torch.float32, count), (64, torch.float32, count), (48, torch.float64, 1500),
+                            (48, torch.float64, 437)):
         matrices, n, _ = gram_batch("patches", batch, m)
         values64, info = xsyev.values(matrices.clone())
         voxels = torch.full((batch,), n, dtype=torch.int64, device="cuda")
         rank = marchenko_pastur_threshold(values64, voxels, m, "exp2")[0]
         projector64 = xsyev.projector(rank)
         work = matrices.to(dtype).contiguous()
-        for warps in warp_counts:
-            solver = TridiagonalEigh("cuda", warps=warps, lanes=0)  # one launch, a lane per eigenvalue
-            copies = [work.clone() for _ in range(6)]
-            d, e, v = (torch.empty((batch, m), device="cuda", dtype=dtype) for _ in range(3))
+        warps = tridiagonal._warps(m, dtype)
+        d, e, v = (torch.empty((batch, m), device="cuda", dtype=dtype) for _ in range(3))
 
-            def best(run):
-                times = []
-                for copy in copies:
-                    torch.cuda.synchronize()
-                    started = time.perf_counter()
-                    result = run(copy)
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - started)
-                return min(times[1:]) * 1e3, result
+        def best(run, repeats=7):
+            copies = [work.clone() for _ in range(repeats)]
+            times = []
+            for copy in copies:
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                result = run(copy)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - started)
+            return min(times[1:]) * 1e3, result
 
-            householder_ms, _ = best(lambda a: _values_kernel[(batch,)](a, d, e, v, d, d, m, BLOCK=_block(m),
-                                                                       FP64=dtype == torch.float64, BISECTIONS=0,
-                                                                       RANK_ONE=False,
-                                                                       num_warps=warps))
-            copies = [work.clone() for _ in range(6)]
-            values_ms, values = best(lambda a: solver.values(a)[0])
-            projector_ms, projector = best(lambda _: solver.projector(rank))
-            low_rank = TridiagonalEigh("cuda", warps=warps, lanes=16)  # the 16-lane launch for ranks <= 16
-            low_rank._state = solver._state
-            lanes16_ms, projector16 = best(lambda _: low_rank.projector(rank))
-            row = dict(m=m, dtype=str(dtype).replace("torch.", ""), batch=batch, warps=warps, values_ms=values_ms,
-                       householder_alone_ms=householder_ms,
-                       projector_ms=projector_ms, projector_lanes16_ms=lanes16_ms,
-                       projector_lanes16_vs_one_launch=float((projector16 - projector).abs().amax()),
+        householder_ms, _ = best(lambda a: _values_kernel[(batch,)](
+            a, d, e, v, d, d, d, m, BLOCK=_block(m), FP64=dtype == torch.float64, BISECTIONS=0, RANK_ONE=False,
+            COUNTED=False, num_warps=warps))
+        for multisection in (False, True):
+            tridiagonal.MULTISECTION, default = multisection, tridiagonal.MULTISECTION
+            try:
+                solver = TridiagonalEigh("cuda")
+                values_ms, values = best(lambda a: solver.values(a)[0])
+                projector_ms, projector = best(lambda _: solver.projector(rank))
+            finally:
+                tridiagonal.MULTISECTION = default
+            row = dict(m=m, dtype=str(dtype).replace("torch.", ""), batch=batch, warps=warps,
+                       multisection=multisection, values_ms=values_ms, householder_alone_ms=householder_ms,
+                       projector_ms=projector_ms,
                        values_err=float(((values.double() - values64).abs().amax(1) / values64[:, -1]).max()),
                        projector_err=float((projector.double() - projector64).abs().amax()))
             rows.append(row)
@@ -1338,6 +1346,8 @@ def main():
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
     parser.add_argument("--only", default="abcdev",
                         help="which parts to run: any of a, b, c, e, v, s, 5, k, p, r, w, q, g, h, u, o, x")
+    parser.add_argument("--k-variants", default="",
+                        help="(k) only the variants whose names contain one of these comma-separated words")
     parser.add_argument("--no-cpu", action="store_true",
                         help="(c) without our CPU path (the GPU's float64 run is the reference)")
     args = parser.parse_args()
@@ -1370,7 +1380,7 @@ def main():
     part("e", eigensolvers_on_large_matrices, "eigensolver_ms_per_matrix")
     part("5", eigen_step, "eigen_step")
     part("x", lambda: box_sums(rows), "box_sums")
-    part("k", lambda: seed_quick(rows), "seed_quick")
+    part("k", lambda: seed_quick(rows, only=[word for word in args.k_variants.split(",") if word]), "seed_quick")
     part("p", lambda: profile_seed(args.out), "profile_seed")
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))

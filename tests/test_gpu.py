@@ -327,22 +327,32 @@ def test_staged_uploads_copy_the_rows(monkeypatch, threads, rounds):
     assert sorted(uploads.queued_at) == list(range(rounds))
 
 
-def test_the_seeds_geometry_runs_with_one_wait_for_the_device():
-    """Voxel demeaning on a full grid (box sums, tridiagonal kernels, the settling pass chosen on the
-    device): nothing in ``denoise_gpu`` waits for the device but its final synchronisation (torch's sync
-    debug mode warns at each synchronising call), and the windows redone are those the host would choose."""
-    import torch
-
+def seed_like(seed, shape=(40, 36, 26)):
+    """The seed's geometry on a smaller phantom: (data, finite, plan, options) for ``denoise_gpu``."""
     from mppca_nipype.engine import check_data, plan_patches, resolve_options
-    from mppca_nipype.engine.gpu import pipeline
 
-    noisy, _ = low_rank_phantom((40, 36, 26), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=8)
+    noisy, _ = low_rank_phantom(shape, n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=seed)
     data, mask = check_data(noisy, None)
     options = resolve_options(data.shape, extent=11, stride=3, estimator="exp2", aggregation="weighted",
                               demean="voxel")
     finite = np.ones(data.shape[:3], bool)
-    plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
-    pipeline.denoise_gpu(data, finite, plan, options)  # compiles the kernels
+    return data, finite, plan_patches(data.shape[:3], options.extent, options.stride, mask, finite), options
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_seeds_geometry_runs_with_one_wait_for_the_device(monkeypatch, graphs):
+    """Voxel demeaning on a full grid (box sums, tridiagonal kernels, the settling pass chosen on the
+    device): nothing in ``denoise_gpu`` waits for the device but its final synchronisation (torch's sync
+    debug mode warns at each synchronising call), with the first pass replayed as CUDA graphs or queued by
+    the host, and the windows redone are those the host would choose."""
+    import torch
+
+    from mppca_nipype.engine.gpu import pipeline
+
+    monkeypatch.setattr(pipeline, "GRAPHS", graphs)
+    data, finite, plan, options = seed_like(8)
+    for _ in range(2):  # builds the kernels; captures the graphs
+        pipeline.denoise_gpu(data, finite, plan, options)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -353,6 +363,7 @@ def test_the_seeds_geometry_runs_with_one_wait_for_the_device():
             torch.cuda.set_sync_debug_mode("default")
     waits = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert len(waits) == 1, waits  # the final synchronisation
+    assert on_device.info["first_pass"] == ("replayed" if graphs else "queued")
     real_settle = pipeline._PlanRun.settles_on_device
     try:
         pipeline._PlanRun.settles_on_device = lambda self, n_voxels, n_volumes: False
@@ -364,6 +375,33 @@ def test_the_seeds_geometry_runs_with_one_wait_for_the_device():
     assert on_device.info["gram_path"] == "box" and 0 < n_settled == on_host.info["n_settled_in_float64"]
     for got, want in ((on_device.image, on_host.image), (on_device.rank, on_host.rank)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-3)
+
+
+def test_the_first_pass_replays_as_cuda_graphs_on_each_runs_series():
+    """A geometry's first run queues its first pass, the second captures and replays it, later ones replay it:
+    the same sums each time, and a replay on another series of the geometry gives that series' result (what
+    the host-queued pass gives), not the captured one's."""
+    from mppca_nipype.engine.gpu import pipeline
+
+    pipeline._FirstPassGraphs._kept.clear()
+    data, finite, plan, options = seed_like(8)
+    runs = [pipeline.denoise_gpu(data, finite, plan, options) for _ in range(3)]
+    assert [run.info["first_pass"] for run in runs] == ["queued", "captured", "replayed"]
+    for run in runs[1:]:
+        assert run.info["n_settled_in_float64"] == runs[0].info["n_settled_in_float64"] > 0
+        for got, want in ((run.image, runs[0].image), (run.weight, runs[0].weight), (run.rank, runs[0].rank)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-3)
+    other, _, _, _ = seed_like(9)
+    replayed = pipeline.denoise_gpu(other, finite, plan, options)
+    pipeline.GRAPHS = False
+    try:
+        queued = pipeline.denoise_gpu(other, finite, plan, options)
+    finally:
+        pipeline.GRAPHS = True
+    assert replayed.info["first_pass"] == "replayed" and queued.info["first_pass"] == "queued"
+    assert replayed.info["n_settled_in_float64"] == queued.info["n_settled_in_float64"]
+    np.testing.assert_allclose(replayed.image, queued.image, rtol=1e-6, atol=1e-3)
+    assert np.abs(replayed.image - runs[0].image).max() > 1.0  # (another series: another result)
 
 
 def test_the_estimator_and_the_settling_test_never_wait_for_the_device():

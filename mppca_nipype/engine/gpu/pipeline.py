@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+import threading
 import time
 
 import numpy as np
@@ -127,6 +128,16 @@ FUSED_THRESHOLD = True
 #: Priority of the settling pass's stream beside the box sums' spread (``_settle_on_device``; lower is
 #: higher, -1 or below the highest torch gives).
 SETTLE_PRIORITY = -1
+#: The box sums' first pass replayed as CUDA graphs, one per part of the series' upload, on the runs of a
+#: geometry after its first (``_FirstPassGraphs``): each part is one launch for the host instead of ~30
+#: torch operations and 6 Triton launches (the host's queueing was the first pass's critical path, eighth
+#: session's timeline). Measured on the H200 (ninth session, suite part k, the seed's problem): the caller's
+#: thread has queued the run at 7.0 ms instead of 14.2; end to end 11.6 vs 11.7 ms at 3 rounds (the device is
+#: the limit then), 11.7 vs 15.1 at 6. False: every run queues its first pass itself.
+GRAPHS = True
+#: Geometries whose first-pass graphs, series on the device and box sums' scratch are kept between runs
+#: (each holds the scratch of one slab: ~2 GiB at the seed's size; a dataset's runs mostly share one).
+GRAPH_CACHE = 1
 
 
 def gram_precision(options, precision: str = "auto", mean_apart: bool = False) -> torch.dtype:
@@ -384,15 +395,26 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, not {path!r}")
     device = torch.device(device or "cuda")
-    # the upload's threads get the GIL when they need it, not after Python's default 5 ms
-    with switching_often() if device.type == "cuda" else nullcontext():
-        return _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolver, precision, max_batch,
-                            normalize, settle, planes, timeline)
+    graphs = None
+    if device.type == "cuda" and GRAPHS:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        graphs = _FirstPassGraphs.taken((str(device), plan.spatial_shape, plan.extent, plan.stride, plan.n_windows,
+                                         data.shape[3], options, path, eigensolver, precision, max_batch, settle,
+                                         planes, _first_pass_settings()))
+    try:
+        # the upload's threads get the GIL when they need it, not after Python's default 5 ms
+        with switching_often() if device.type == "cuda" else nullcontext():
+            return _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolver, precision,
+                                max_batch, normalize, settle, planes, timeline, graphs)
+    finally:
+        if graphs is not None:
+            graphs.lock.release()
 
 
 def _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolver, precision, max_batch, normalize,
-                 settle, planes, timed):
-    """``denoise_gpu``'s run."""
+                 settle, planes, timed, graphs=None):
+    """``denoise_gpu``'s run; ``graphs``: the geometry's ``_FirstPassGraphs`` (taken), if it may use them."""
     from .. import PatchSums
 
     started = time.perf_counter()
@@ -407,14 +429,17 @@ def _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolve
     copies = torch.cuda.Stream(device) if on_gpu else None
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
     series = StagedSeries(host_volume) if on_gpu else None
+    if len(slabs) > 1:
+        graphs = None  # (graphs serve a series that fits whole)
 
     def upload(slab):
         """Start the slab's series on its way to the device (on the copy stream)."""
         rows = slice(slab.first * plane, slab.stop * plane)
         if not on_gpu:
             return to_device(host_volume[rows], device)
+        into = graphs.volume_for((rows.stop - rows.start, n_volumes), device) if graphs is not None else None
         with torch.cuda.stream(copies):
-            return series.upload(rows, device, copies)
+            return series.upload(rows, device, copies, into=into)
 
     uploads = {}  # slab number -> what ``upload`` returned
     every_voxel_finite = bool(finite.all())
@@ -451,7 +476,7 @@ def _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolve
         finisher = _Finisher(sums, outputs, slab.first * plane, final, normalize, downloads)
         timeline.mark("slab's sums")
         run.slab(slab, lambda: rows_of(number), sums, report, data, finite, on_final=finisher.up_to,
-                 timeline=timeline)
+                 timeline=timeline, graphs=graphs)
         done_windows = slab.windows.stop
         finisher.up_to(final)
         carried = sums.tail(final)
@@ -478,6 +503,7 @@ def _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolve
                                out_of_memory_retries=run.retries, n_slabs=len(slabs),
                                n_settled_in_float64=run.settled(), n_redone_on_cpu=run.n_redone_on_cpu,
                                eigenvalues_refined=bool(run.refine), mean_taken_apart=run.mean_apart,
+                               first_pass=run.first_pass,
                                gpu_peak_bytes=int(peak), seconds_engine=time.perf_counter() - started,
                                **(dict(timeline_ms=timeline.milliseconds()) if timed else {})))
 
@@ -610,6 +636,7 @@ class _PlanRun:
         self.fused = None
         self.takes_box_sums = None  # whether the first pass may take ``boxsums``, set with the Gram path
         self.n_box_slabs = 0
+        self.first_pass = "queued"  # or "captured" / "replayed" as CUDA graphs (``_FirstPassGraphs``)
         # the settling pass's stream beside the box sums' spread (``_settle_on_device``): of high priority, so
         # that its short chain of small launches is not queued behind the spread's many programs
         self.side = torch.cuda.Stream(device, priority=SETTLE_PRIORITY) if device.type == "cuda" else None
@@ -640,14 +667,16 @@ class _PlanRun:
         """How the first pass's Gram matrices were computed: "box" (in some slab), "fused" or "gather"."""
         return "box" if self.n_box_slabs else "fused" if self.fused else "gather"
 
-    def slab(self, slab, arrive, sums, report, data, finite_host, on_final=None, timeline=None):
+    def slab(self, slab, arrive, sums, report, data, finite_host, on_final=None, timeline=None, graphs=None):
         """All the windows of one slab: a first pass in the Gram precision, then (float32) the windows it
         could not settle and those whose eigensolve failed in float64, then what failed again on the CPU.
         ``arrive()`` gives the slab's series and finite flags on the device; it is called once the slab's
         tables are set up (their upload runs meanwhile). Queued without waiting for the device where
         ``settles_on_device``; else one synchronisation after the first pass. With the box sums and the
         settling pass on the device, ``on_final(stop)`` is called as the slab's rows before ``stop`` get
-        their last addition (else the caller finishes them after). ``timeline`` (``_Timeline``) marks the steps."""
+        their last addition (else the caller finishes them after). ``timeline`` (``_Timeline``) marks the steps.
+        ``graphs`` (``_FirstPassGraphs``, taken): with the box sums and the settling pass on the device, the
+        geometry's first pass is captured on its second run and replayed from then on."""
         plan, n_volumes, n_voxels = self.plan, sums.image.shape[1], self.plan.patch_size
         mark = timeline.mark if timeline is not None else lambda step: None
         if self.fused is None:
@@ -674,27 +703,47 @@ class _PlanRun:
                 series.wait(torch.cuda.current_stream(self.device))
             return
         row0 = slab.first * plan.spatial_shape[1] * plan.spatial_shape[2]
-        box = None
-        if self.takes_box_sums and (self.path == "box" or _box_fits(self.device, plan, n_volumes, slab)):
-            box = boxsums.BoxSums(plan, slab, n_volumes, self.device)
+        if not (graphs is not None and self.takes_box_sums and self.settles_on_device(n_voxels, n_volumes)):
+            graphs = None
+        arrived = None
+        if graphs is not None and graphs.parts is not None:
+            arrived = arrive()
+            if not graphs.replays(arrived[0]):
+                graphs.parts = None  # (captured for other arrivals: captured again on the next run)
+        if graphs is not None and graphs.parts is not None:  # captured: replayed
+            context = graphs.context
+            context.renew(sums)
             self.n_box_slabs += 1
-            mark("box sums' tables")
-        context = _SlabContext(self, slab, sums, row0, box)
-        mark("slab set up")
-        step = self.step or batch_size(self.device, w1 - w0, n_voxels, n_volumes, self.dtype, self.fused,
-                                       self.solver, self.max_batch, self.refine)
-        verdicts, first = [], 0
-        for ready in context.start(*arrive()):  # windows first..ready can run: their rows are there
-            part, step, retries = run_in_batches(
-                ready - first, step, lambda a, b, first=first: context.batch(
-                    slice(first + a, first + b), self.dtype, self.fused, self.settle, self.refine),
-                on_batch=(lambda stop, first=first: report(first + stop)) if report else None,
-                on_retry=self.solver.release_workspaces)
-            verdicts += part
-            self.retries += retries
-            first = ready
-            mark(f"first pass to window {ready} queued")
-        self.step = step
+            self.step, self.first_pass = graphs.step, "replayed"
+            verdicts = graphs.replay(*arrived, report)
+            mark("first pass replayed")
+        else:
+            box = None
+            if self.takes_box_sums and (self.path == "box" or _box_fits(self.device, plan, n_volumes, slab)):
+                box = boxsums.BoxSums(plan, slab, n_volumes, self.device)
+                self.n_box_slabs += 1
+                mark("box sums' tables")
+            context = _SlabContext(self, slab, sums, row0, box)
+            mark("slab set up")
+            step = self.step or batch_size(self.device, w1 - w0, n_voxels, n_volumes, self.dtype, self.fused,
+                                           self.solver, self.max_batch, self.refine)
+            series, finite_rows = arrived or arrive()
+            verdicts = None
+            if graphs is not None and box is not None and graphs.eager_runs:  # (its kernels are built)
+                verdicts = graphs.capture(context, series, finite_rows, step, report)
+                if verdicts is not None:
+                    self.first_pass = "captured"
+                    mark("first pass captured and replayed")
+                else:  # the series is there (the capture waited for it)
+                    series = series.tensor if isinstance(series, Upload) else series
+            if verdicts is None:
+                verdicts, step = self._first_pass(context, series, finite_rows, step, report, mark)
+                if graphs is not None and box is not None:
+                    graphs.eager_runs += 1
+            self.step = step
+        if self.first_pass != "queued" and self.side is not None:  # (graphs record no event for the side stream)
+            context.verdicts_ready = torch.cuda.Event()
+            context.verdicts_ready.record(torch.cuda.current_stream(self.device))
         context.box_gram = None  # the first pass is done with it
 
         if self.settles_on_device(n_voxels, n_volumes):
@@ -724,6 +773,22 @@ class _PlanRun:
             self.n_redone_on_cpu += len(failed)
             rows, values, replace = _cpu_contributions(data, finite_host, plan, self.options, failed + w0)
             sums.add(rows - row0, *values, replace=replace)
+
+    def _first_pass(self, context, series, finite_rows, step, report, mark):
+        """The slab's first pass queued by this thread, in parts as the rows arrive; returns its verdicts
+        (per batch: the solver's ``info`` and the windows left unsettled) and the batch size it ended with."""
+        verdicts, first = [], 0
+        for ready in context.start(series, finite_rows):  # windows first..ready can run: their rows are there
+            part, step, retries = run_in_batches(
+                ready - first, step, lambda a, b, first=first: context.batch(
+                    slice(first + a, first + b), self.dtype, self.fused, self.settle, self.refine),
+                on_batch=(lambda stop, first=first: report(first + stop)) if report else None,
+                on_retry=self.solver.release_workspaces)
+            verdicts += part
+            self.retries += retries
+            first = ready
+            mark(f"first pass to window {ready} queued")
+        return verdicts, step
 
     def _settle_on_device(self, context, verdicts):
         """The settling pass without the host: the windows to redo (from the first pass's ``verdicts``: a
@@ -762,6 +827,135 @@ class _PlanRun:
             torch.cuda.current_stream(self.device).wait_event(settled)
 
 
+def _first_pass_settings():
+    """The module settings a captured first pass depends on (part of its graphs' key)."""
+    from . import tridiagonal
+
+    return (FUSED_THRESHOLD, SETTLE_SLACK, TRIDIAGONAL_SETTLE_SLACK, tridiagonal.PROJECTOR_LANES,
+            tridiagonal.INVERSE_ITERATIONS, tridiagonal.MULTISECTION,
+            tuple(sorted(boxsums.DOT_PRECISION.items())))
+
+
+class _FirstPassGraphs:
+    """The box sums' first pass of one geometry as CUDA graphs, kept between runs (``GRAPHS``).
+
+    A geometry's first run queues its first pass itself (its kernels are built then); the next captures it,
+    one graph per part of the series' upload (each part: the Gram sums of the rows there, then the batches
+    of the windows they complete, up to the projectors the box holds), and replays the graphs; later runs
+    replay them, each after the stream waits for its part's rows. What the graphs read and write stays
+    where it was at the capture: the series' rows on the device (every run's upload goes there,
+    ``volume_for``), the box sums' scratch and the slab's tables (in the kept ``context``), the verdicts.
+    Everything after the first pass (settling, spread, reconstruction) is queued per run as before.
+
+    ``taken(key)`` gives the geometry's entry with its lock held (the caller releases ``lock``), or None
+    while another thread's run holds it; ``GRAPH_CACHE`` geometries are kept."""
+
+    _kept = {}
+    _kept_lock = threading.Lock()
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.volume = None  # the series' rows on the device, where every run's upload goes
+        self.eager_runs = 0  # runs whose first pass was queued by the host (the first builds the kernels)
+        self.parts = None  # once captured: (graph, arrivals it follows, windows ready after it) per part
+        self.failed = False  # a capture failed: the geometry's runs queue their first pass themselves
+        self.context = self.verdicts = self.step = self.stops = None
+
+    @classmethod
+    def taken(cls, key):
+        with cls._kept_lock:
+            entry = cls._kept.get(key)
+            if entry is None:
+                while len(cls._kept) >= GRAPH_CACHE:
+                    cls._kept.pop(next(iter(cls._kept)))
+                entry = cls._kept[key] = cls()
+        if entry.failed or not entry.lock.acquire(blocking=False):
+            return None
+        return entry
+
+    def volume_for(self, shape, device):
+        if self.volume is None or tuple(self.volume.shape) != tuple(shape):
+            self.volume, self.parts = torch.empty(shape, dtype=torch.float32, device=device), None
+        return self.volume
+
+    def capture(self, context, series, finite_rows, step, report):
+        """Capture the slab's first pass (``context``: set up, with the box sums) and replay it; returns its
+        verdicts, or None if the capture failed (nothing of it ran; the series has arrived)."""
+        run = context.run
+        stream = torch.cuda.current_stream(run.device)
+        stops = series.row_stops() if isinstance(series, Upload) else []
+        volume = series.wait(stream) if isinstance(series, Upload) else series
+        self.stops = stops
+        if volume is not self.volume:
+            return None
+        context.volume, context.finite = volume, finite_rows
+        consumed = [0]  # arrivals the box sums have taken when a part is complete
+
+        def counted():
+            for stop in stops:
+                consumed[0] += 1
+                yield stop
+
+        parts_of = context.box.gram_in_parts(volume, counted())
+        parts, verdicts, first, pool = [], [], 0, torch.cuda.graph_pool_handle()
+        # captured on a stream of its own (nothing runs there) with the graph API itself: ``torch.cuda.graph``
+        # would also synchronise and hand torch's cached memory back, so that the next runs allocate anew
+        # (measured: the first replay after it took 56 ms)
+        capturing_on = torch.cuda.Stream(run.device)
+        context.capturing = True
+        try:
+            with torch.cuda.stream(capturing_on):
+                while first < len(context.base):
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        ready = next(parts_of)
+                        context.box_gram = context.box.grams
+                        part = [context.batch(slice(a, min(a + step, ready)), run.dtype, run.fused, run.settle,
+                                              run.refine) for a in range(first, ready, step)]
+                    finally:
+                        graph.capture_end()
+                    parts.append((graph, consumed[0], ready))
+                    verdicts += part
+                    first = ready
+        except Exception:  # noqa: BLE001 - e.g. out of memory while capturing: the run queues it itself
+            self.failed = True
+            torch.cuda.synchronize(run.device)
+            return None
+        finally:
+            context.capturing = False
+        self.parts, self.context, self.verdicts, self.step = parts, context, verdicts, step
+        for graph, _, ready in parts:
+            graph.replay()
+            if report:
+                report(ready)
+        return verdicts
+
+    def replays(self, series) -> bool:
+        """Whether the captured parts can replay on ``series``: uploaded into ``volume`` in the same parts."""
+        if isinstance(series, Upload):
+            return series.tensor is self.volume and series.row_stops() == self.stops
+        return series is self.volume
+
+    def replay(self, series, finite_rows, report):
+        """The captured first pass on this run's series (uploaded into ``volume``): each part's graph once
+        the current stream waits for the rows it reads. Returns the verdicts (the graphs' own tensors)."""
+        context = self.context
+        stream = torch.cuda.current_stream(context.run.device)
+        context.finite = finite_rows
+        arrivals = series.arrivals(stream) if isinstance(series, Upload) else iter(())
+        waited = 0
+        for graph, follows, ready in self.parts:
+            while waited < follows and next(arrivals, None) is not None:
+                waited += 1
+            graph.replay()
+            if report:
+                report(ready)
+        for _ in arrivals:
+            pass
+        return self.verdicts
+
+
 @dataclass(frozen=True)
 class _Chosen:
     """A batch of a slab's windows chosen on the device: ``index`` (B,) their places in the slab, of which the
@@ -781,6 +975,8 @@ class _SlabContext:
         self.run, self.sums, self.box = run, sums, box
         self.volume = self.finite = self.box_gram = None  # once the slab's rows are there (``start``)
         self.verdicts_ready = None  # an event after the first pass's last verdicts (on a GPU, with ``run.side``)
+        self.capturing = False  # while the first pass is captured as graphs (``_FirstPassGraphs.capture``)
+        self.box_kept = box  # (``renew``: the box of a context kept with its graphs)
         windows = slab.windows
         self.base = to_device(run.window_base[windows] - row0, device)
         self.multiplicity = to_device(plan.multiplicity[windows].astype(np.float64), device)
@@ -790,6 +986,10 @@ class _SlabContext:
             self.centre_voxel = to_device((plan.centre_voxel[a:b] - row0).astype(np.int64), device)
             self.centre_window = to_device(self.centre_window_host.astype(np.int32), device)
             self.centre_position = to_device(plan.centre_position[a:b].astype(np.int64), device)
+
+    def renew(self, sums):
+        """For another run of a context kept with its first pass's graphs: that run's ``sums`` and the box."""
+        self.sums, self.box, self.verdicts_ready = sums, self.box_kept, None
 
     def start(self, volume, finite):
         """The slab's series (rows, T) and finite flags (rows,) on the device, the series arriving
@@ -890,7 +1090,7 @@ class _SlabContext:
             if rank_one:
                 unsettled |= unresolved_projectors(values, patch_rank, scale)
             keep &= ~unsettled
-            if run.side is not None and run.settles_on_device(n_voxels, n_volumes):
+            if run.side is not None and run.settles_on_device(n_voxels, n_volumes) and not self.capturing:
                 # the verdicts are known: the settling pass on the side stream may start
                 self.verdicts_ready = torch.cuda.Event()
                 self.verdicts_ready.record(torch.cuda.current_stream(device))

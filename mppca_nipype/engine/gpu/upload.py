@@ -40,7 +40,10 @@ STAGE_THREADS = 8
 #: Rounds the staging runs in: each round's copy to the device is queued as soon as it is staged, and runs
 #: while the next round is copied (and the box sums' first pass runs on the windows whose rows are there).
 #: The seed's problem (part k, best of 7 in 3 interleaved blocks): 12.3 / 12.0 / 13.2 ms in 2 / 3 / 4 rounds
-#: (each part of the first pass costs the host ~1.4 ms to queue).
+#: while each part of the first pass cost the host ~1.4 ms to queue (eighth session); with the first pass
+#: replayed as CUDA graphs (``pipeline.GRAPHS``, a launch a part), in the ninth session's two runs of part k:
+#: 12.0 / 12.1 / 11.3 / 11.2 ms in 2 / 3 / 4 / 6 rounds (call 2), 11.5 / 11.6 / 11.7 / 13.1 in 3 / 4 / 6 / 8
+#: (call 3): the device, not the host, is the limit there; 3 rounds keep each part large.
 STAGE_ROUNDS = 3
 
 #: The interpreter's thread switch interval (seconds) while a run's helper threads work
@@ -119,6 +122,10 @@ class Upload:
     def __init__(self, queued, stops, tensor):
         self._queued, self._stops, self.tensor = list(queued), list(stops), tensor
 
+    def row_stops(self) -> list[int]:
+        """The whole rows there after each part still to arrive (what ``arrivals`` will yield)."""
+        return [int(stop) // self.tensor.shape[1] for stop in self._stops]
+
     def arrivals(self, stream):
         while self._queued:
             stream.wait_event(self._queued.pop(0).result())
@@ -168,10 +175,13 @@ class StagedSeries:
         self.flat, self.n_volumes = series.reshape(-1), series.shape[1]
         self.queued_at = {}  # round -> perf_counter() when its copy was queued (for a run's timeline)
 
-    def upload(self, rows: slice, device, stream) -> Upload:
-        """Start staging and copying rows ``rows`` to ``device`` on ``stream`` (the tensor is allocated on
-        the caller's current stream)."""
-        tensor = torch.empty((rows.stop - rows.start, self.n_volumes), dtype=torch.float32, device=device)
+    def upload(self, rows: slice, device, stream, into=None) -> Upload:
+        """Start staging and copying rows ``rows`` to ``device`` on ``stream``, into the (rows, T) float32
+        tensor ``into`` if given (else one allocated on the caller's current stream)."""
+        shape = (rows.stop - rows.start, self.n_volumes)
+        tensor = torch.empty(shape, dtype=torch.float32, device=device) if into is None else into
+        if tensor.shape != shape or tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            raise ValueError(f"an upload goes into a contiguous {shape} float32 tensor")
         tensor.record_stream(stream)  # written there: its memory is not reused before the copies are done
         first, stop = rows.start * self.n_volumes, rows.stop * self.n_volumes
         staging = torch.empty(stop - first, dtype=torch.float32, pin_memory=True)
