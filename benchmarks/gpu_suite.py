@@ -446,6 +446,8 @@ def seed_quick(rows, blocks=3, only=()):
                  {(tridiagonal, "MULTISECTION"): False})]
     variants += [(f"ours, staged in {rounds} rounds", dict(), {(upload, "STAGE_ROUNDS"): rounds})
                  for rounds in (2, 4, 6)]
+    variants += [(f"ours, staged by {threads} threads", dict(), {(upload, "STAGE_THREADS"): threads})
+                 for threads in (12, 16)]
     variants = [variant for variant in variants if not only or any(word in variant[0] for word in only)]
     best = {}
     for block in range(blocks):
