@@ -396,7 +396,8 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
         raise ValueError(f"path must be one of {PATHS}, not {path!r}")
     device = torch.device(device or "cuda")
     graphs = None
-    if device.type == "cuda" and GRAPHS:
+    if device.type == "cuda" and GRAPHS and _may_replay(plan, options, finite, data.shape[3], path, eigensolver,
+                                                         precision, settle):
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         graphs = _FirstPassGraphs.taken((str(device), plan.spatial_shape, plan.extent, plan.stride, plan.n_windows,
@@ -825,6 +826,13 @@ class _PlanRun:
             settled = torch.cuda.Event()
             settled.record(self.side)
             torch.cuda.current_stream(self.device).wait_event(settled)
+
+
+def _may_replay(plan, options, finite, n_volumes, path, eigensolver, precision, settle) -> bool:
+    """Whether a run may take the box sums with the settling pass on the device, as ``_FirstPassGraphs``
+    need (``_PlanRun.slab`` decides; this keeps other runs from holding a geometry's buffers)."""
+    return (path in ("auto", "box") and eigensolver in ("auto", "tridiagonal") and precision in ("auto", "float32")
+            and settle and boxsums.applies(plan, options, finite, n_volumes, torch.float32, True))
 
 
 def _first_pass_settings():
