@@ -377,7 +377,7 @@ def test_the_seeds_geometry_runs_with_one_wait_for_the_device(monkeypatch, graph
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-3)
 
 
-def test_the_first_pass_replays_as_cuda_graphs_on_each_runs_series():
+def test_the_first_pass_replays_as_cuda_graphs_on_each_runs_series(monkeypatch):
     """A geometry's first run queues its first pass, the second captures and replays it, later ones replay it:
     the same sums each time, and a replay on another series of the geometry gives that series' result (what
     the host-queued pass gives), not the captured one's."""
@@ -393,11 +393,8 @@ def test_the_first_pass_replays_as_cuda_graphs_on_each_runs_series():
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-3)
     other, _, _, _ = seed_like(9)
     replayed = pipeline.denoise_gpu(other, finite, plan, options)
-    pipeline.GRAPHS = False
-    try:
-        queued = pipeline.denoise_gpu(other, finite, plan, options)
-    finally:
-        pipeline.GRAPHS = True
+    monkeypatch.setattr(pipeline, "GRAPHS", False)
+    queued = pipeline.denoise_gpu(other, finite, plan, options)
     assert replayed.info["first_pass"] == "replayed" and queued.info["first_pass"] == "queued"
     assert replayed.info["n_settled_in_float64"] == queued.info["n_settled_in_float64"]
     np.testing.assert_allclose(replayed.image, queued.image, rtol=1e-6, atol=1e-3)
