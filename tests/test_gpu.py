@@ -383,6 +383,7 @@ def test_the_first_pass_replays_as_cuda_graphs_on_each_runs_series(monkeypatch):
     the host-queued pass gives), not the captured one's."""
     from mppca_nipype.engine.gpu import pipeline
 
+    monkeypatch.setattr(pipeline, "GRAPHS", True)
     pipeline._FirstPassGraphs._kept.clear()
     data, finite, plan, options = seed_like(8)
     runs = [pipeline.denoise_gpu(data, finite, plan, options) for _ in range(3)]
