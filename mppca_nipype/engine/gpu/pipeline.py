@@ -933,11 +933,7 @@ class _FirstPassGraphs:
         finally:
             context.capturing = False
         self.parts, self.context, self.verdicts, self.step = parts, context, verdicts, step
-        for graph, _, ready in parts:
-            graph.replay()
-            if report:
-                report(ready)
-        return verdicts
+        return self.replay(volume, finite_rows, report)  # (the series is there: nothing to wait for)
 
     def replays(self, series) -> bool:
         """Whether the captured parts can replay on ``series``: uploaded into ``volume`` in the same parts."""
