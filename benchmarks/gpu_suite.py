@@ -28,7 +28,8 @@
     profiler: device time per stage and kernel.
 (r) long series (T = 300, 1000; windows of (c)'s phantoms): the float32 eigensolve's eigenvalue errors, the
     float64 Rayleigh quotients of its eigenvectors, the ranks and the windows each settling criterion flags.
-(w) the tridiagonal kernels' time (values with and without the multisection start, Householder alone,
+(w) the tridiagonal kernels' time (values with and without the multisection start and the shrinking Householder
+    blocks, Householder alone,
     projector), float32 at m = 48, 64 and float64 at m = 48 (a settling pass's
     sizes: 1,500 and 437 matrices).
 (q) the seed's windows: the tridiagonal kernels' float32 eigenvalue errors and what each settling slack
@@ -314,7 +315,7 @@ def profile_seed(trace_dir=None):
     from torch.profiler import ProfilerActivity, profile
 
     seed, _ = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
-    stages = (("gram", ("_gram_kernel", "_outer_sums_kernel")),
+    stages = (("gram", ("_gram_kernel", "_slice_grams_kernel")),
               ("box sums' row sums (Gram and reconstruction)", ("_range_sums_kernel",)),
               ("threshold", ("_threshold_kernel",)), ("eigen: tridiagonal values", ("_values_kernel",)),
               ("eigen: tridiagonal projector", ("_projector_kernel",)),
@@ -431,7 +432,7 @@ def seed_quick(rows, blocks=3, only=()):
     """(k) the seed's problem: ours and the article's final step, and variants of ours, each best of 7 in
     ``blocks`` rounds over all the variants (the machine drifts by ~1 ms over a minute: the best of the
     blocks is kept), with the timeline of one more run each."""
-    from mppca_nipype.engine.gpu import pipeline, tridiagonal, upload
+    from mppca_nipype.engine.gpu import boxsums, pipeline, tridiagonal, upload
 
     noisy, truth = low_rank_phantom((96, 96, 48), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=0)
     data, finite, plan, options = prepare(noisy, SEED_OPTIONS)
@@ -443,7 +444,11 @@ def seed_quick(rows, blocks=3, only=()):
                 ("ours: denoise_gpu (auto)", dict(), {}),
                 ("ours, the first pass queued by the host (no graphs)", dict(), {(pipeline, "GRAPHS"): False}),
                 ("ours, bisection from Gershgorin's interval (no multisection)", dict(),
-                 {(tridiagonal, "MULTISECTION"): False})]
+                 {(tridiagonal, "MULTISECTION"): False}),
+                ("ours, Householder on the whole block (no shrinking blocks)", dict(),
+                 {(tridiagonal, "SHRINKING_BLOCKS"): False}),
+                ("ours, slice grams in tf32x3", dict(),
+                 {(boxsums, "DOT_PRECISION"): dict(boxsums.DOT_PRECISION, gram="tf32x3")})]
     variants += [(f"ours, staged in {rounds} rounds", dict(), {(upload, "STAGE_ROUNDS"): rounds})
                  for rounds in (2, 4, 6)]
     variants += [(f"ours, staged by {threads} threads", dict(), {(upload, "STAGE_THREADS"): threads})
@@ -731,11 +736,12 @@ def seed_settling():
 def tridiagonal_warps(count=12_600):
     """(w) issue 5: the tridiagonal kernels on ``count`` seed-like Gram matrices (float32, m = 48, 64, one
     warp a matrix; float64, m = 48, two warps, 1,500 and 437 of them as in a settling pass): values
-    (Householder + bisection) with or without the multisection start, Householder alone (no bisection step), the projector (16-lane launch for ranks <= 16
+    (Householder + bisection) with or without the multisection start and the shrinking Householder blocks,
+    Householder alone (no bisection step), the projector (16-lane launch for ranks <= 16
     and the rest); each checked against float64 XsyevBatched (largest eigenvalue error over the largest
     eigenvalue, largest projector deviation)."""
     from mppca_nipype.engine.gpu import tridiagonal
-    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh, _block, _values_kernel
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh, _block, _householder_phases, _values_kernel
 
     xsyev, rows = BatchedEigh("cuda"), []
     for m, dtype, batch in ((48, torch.float32, count), (64, torch.float32, count), (48, torch.float64, 1500),
@@ -760,19 +766,21 @@ def tridiagonal_warps(count=12_600):
                 times.append(time.perf_counter() - started)
             return min(times[1:]) * 1e3, result
 
-        householder_ms, _ = best(lambda a: _values_kernel[(batch,)](
-            a, d, e, v, d, d, d, m, BLOCK=_block(m), FP64=dtype == torch.float64, BISECTIONS=0, RANK_ONE=False,
-            COUNTED=False, num_warps=warps))
-        for multisection in (False, True):
-            tridiagonal.MULTISECTION, default = multisection, tridiagonal.MULTISECTION
+        for multisection, shrinking in ((True, False), (False, True), (True, True)):
+            defaults = tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS
+            tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS = multisection, shrinking
             try:
                 solver = TridiagonalEigh("cuda")
                 values_ms, values = best(lambda a: solver.values(a)[0])
                 projector_ms, projector = best(lambda _: solver.projector(rank))
+                householder_ms, _ = best(lambda a: _values_kernel[(batch,)](
+                    a, d, e, v, d, d, d, m, BLOCK=_block(m), FP64=dtype == torch.float64, BISECTIONS=0,
+                    RANK_ONE=False, COUNTED=False, PHASES=_householder_phases(m), num_warps=warps))
             finally:
-                tridiagonal.MULTISECTION = default
+                tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS = defaults
             row = dict(m=m, dtype=str(dtype).replace("torch.", ""), batch=batch, warps=warps,
-                       multisection=multisection, values_ms=values_ms, householder_alone_ms=householder_ms,
+                       multisection=multisection, shrinking_blocks=shrinking, values_ms=values_ms,
+                       householder_alone_ms=householder_ms,
                        projector_ms=projector_ms,
                        values_err=float(((values.double() - values64).abs().amax(1) / values64[:, -1]).max()),
                        projector_err=float((projector.double() - projector64).abs().amax()))
@@ -909,8 +917,9 @@ def box_sums(rows):
             volume, finite_rows, base, offsets, projector, weight, weight, weight,
             *[torch.zeros_like(x) for x in fused_sums], demean="voxel"), repeats=10)[0] * 1e3))
     slab = plan_slabs(plan, data.shape[0])[0]
-    for outer, apply in [(outer, apply) for outer in kernels.DOT_PRECISIONS for apply in kernels.DOT_PRECISIONS]:
-        box = boxsums.BoxSums(plan, slab, m, volume.device, dict(outer=outer, apply=apply))
+    for gram_dot, apply in [(gram_dot, apply) for gram_dot in kernels.DOT_PRECISIONS
+                            for apply in kernels.DOT_PRECISIONS]:
+        box = boxsums.BoxSums(plan, slab, m, volume.device, dict(gram=gram_dot, apply=apply))
         gram_seconds, gram, _ = best_of(lambda: box.gram(volume), repeats=10)
         box.add_windows(slice(0, n), projector, weight, weight, weight)
         sums = [torch.zeros_like(x) for x in fused_sums]
@@ -919,7 +928,7 @@ def box_sums(rows):
                                                                      *[torch.zeros_like(x) for x in fused_sums]),
                                               repeats=10)
         gram_error = float(((gram.double() - gram64).norm(dim=(1, 2)) / gram64.norm(dim=(1, 2))).max())
-        name = f"outer {outer}, apply {apply}"
+        name = f"gram {gram_dot}, apply {apply}"
         result[name] = dict(gram_ms=gram_seconds * 1e3, accumulate_ms=accumulate_seconds * 1e3,
                             gram_rel_error_max=gram_error, peak_gib=peak / 2**30,
                             sums_rel_to_fused=[float((a - b).norm() / b.norm()) for a, b in zip(sums, fused_sums)])

@@ -130,7 +130,7 @@ def cases():
     box_sums = (torch.zeros((14 * 12 * 20, n_volumes)),) + tuple(torch.zeros(14 * 12 * 20) for _ in range(3))
     for dot in kernels.DOT_PRECISIONS:
         def box(dot=dot):
-            sums = boxsums.BoxSums(plan, plan_slabs(plan, 14)[0], n_volumes, "cpu", dict(outer=dot, apply=dot))
+            sums = boxsums.BoxSums(plan, plan_slabs(plan, 14)[0], n_volumes, "cpu", dict(gram=dot, apply=dot))
             sums.gram(box_volume)
             sums.accumulate(box_volume, *box_sums)
         yield f"box sums {dot}", box

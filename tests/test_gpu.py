@@ -430,7 +430,7 @@ def test_box_sums_match_the_cpu_on_the_seeds_geometry(monkeypatch, dot):
     from mppca_nipype.engine.gpu import boxsums
     from mppca_nipype.engine.gpu.pipeline import denoise_gpu
 
-    monkeypatch.setattr(boxsums, "DOT_PRECISION", dict(outer=dot, apply=dot))
+    monkeypatch.setattr(boxsums, "DOT_PRECISION", dict(gram=dot, apply=dot))
     noisy, _ = low_rank_phantom((40, 36, 26), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=7)
     options = dict(extent=11, stride=3, estimator="exp2", aggregation="weighted", demean="voxel")
     gpu, cpu = compare(noisy, **options)

@@ -591,7 +591,19 @@ def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, str
     projector = rng.standard_normal((n_windows, n_volumes, n_volumes))
     projector += projector.transpose(0, 2, 1)  # symmetric, as projectors are
     weight, sigma, rank = rng.uniform(0.5, 2, n_windows), rng.uniform(1, 2, n_windows), rng.integers(0, 5, n_windows)
-    box.add_windows(slice(0, n_windows), *as_tensors(*(a.astype(np.float32) for a in (projector, weight, sigma, rank))))
+    # the windows added in parts along x, the planes no later window holds spread back after each (as the
+    # first pass does with the settling pass on the device); a window not added yet holds NaN
+    box.projectors.fill_(float("nan"))
+    box.scalars.fill_(float("nan"))
+    per_corner = n_windows // box.grid[0]
+    parts = sorted({0, per_corner, min(2 * per_corner + per_corner // 2, n_windows), n_windows})
+    values = as_tensors(*(a.astype(np.float32) for a in (projector, weight, sigma, rank)))
+    spread = []
+    for first, stop in zip(parts, parts[1:]):
+        box.add_windows(slice(first, stop), *(v[first:stop] for v in values))
+        box.spread(stop)
+        spread.append(box.planes_spread)
+    assert 0 < spread[0] < shape[0] and spread[-1] == shape[0]
     sums = [torch.zeros((len(volume), n_volumes))] + [torch.zeros(len(volume)) for _ in range(3)]
     box.accumulate(box_volume, *sums)
     want = [np.zeros((len(volume), n_volumes))] + [np.zeros(len(volume)) for _ in range(3)]

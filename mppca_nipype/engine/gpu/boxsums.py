@@ -10,19 +10,19 @@ every output element added with an atomic.
 
 Here, for windows at corners (a, b, c) of extent (ex, ey, ez) on a (X, Y, Z) slab of rows:
 
-* Gram: ``_outer_sums_kernel`` sums the outer products of the ez voxels of each z-window of each (x, y) line
-  (one ``tl.dot`` per line and window, the voxel's mean removed in registers): S1 (X, Y, C, T, T); then
-  ``_range_sums_kernel`` sums ey consecutive y-rows (S2 (X, B, C, T, T)) and ex consecutive x-planes
-  (G (A, B, C, T, T): the windows in the plan's order). Each voxel's outer product is formed once per
-  z-window holding it (~ez / stride times), not once per window (~(ez / stride)^3 times).
+* Gram: ``_slice_grams_kernel`` forms, for each x-plane, the Gram of each window's slice there (its ey x ez
+  voxels, the voxel's mean removed in registers; ``tl.dot`` over the voxels): S2 (X, B, C, T, T); then
+  ``_range_sums_kernel`` sums ex consecutive x-planes (G (A, B, C, T, T): the windows in the plan's order).
+  Each voxel's outer product is formed once per (y, z)-window pair holding it (~(ez / stride) (ey / stride)
+  times), not once per window (~(ez / stride)^3 times).
 * Reconstruction: the adjoint. The projectors scaled by their window's weight, Q (A, B, C, T, T), are spread
   back over x (``_range_sums_kernel`` again: each plane sums the run of windows holding it) and over y, giving
   R (X, Y, C, T, T); ``_apply_kernel`` then adds to each voxel x_v (sum over its z-windows c of R[x, y, c])
   + m_v sum_W w_W, and the voxel's sums of w, w sigma, w rank to the maps. No atomics: every voxel is written
   by one program. The windows' (w, w sigma, w rank)
-  go through the same spreads.
+  go through the same spreads over x and y; ``_apply_kernel`` adds each voxel's z-windows' sums.
 
-Float32 throughout: the sums are in a tree (ez, then ey, then ex terms) rather than one running sum, and
+Float32 throughout: the sums are in a tree (ey ez, then ex terms) rather than one running sum, and
 the centring happens per voxel before any product, as in the fused Gram kernel.
 """
 
@@ -43,32 +43,70 @@ MAX_VOLUMES = 64
 BLOCK_Q = 1024
 #: Voxels along z per program of ``_apply_kernel``.
 BLOCK_Z = 16
-#: How ``tl.dot`` multiplies in the outer-product and apply kernels (as ``kernels.DOT_PRECISIONS``). Measured
-#: on the H200 (suite part x, the seed's 12,600 windows): Gram 1.26 ms with "ieee" outer products vs 1.41
-#: with "tf32x3"; reconstruction 2.17 ms with "ieee" vs 2.00 with "tf32x3"; the Gram 1.9e-6 from float64
-#: and the sums 1.2e-7 from the fused kernels' either way.
-DOT_PRECISION = dict(outer="ieee", apply="tf32x3")
+#: How ``tl.dot`` multiplies in the slices' Gram and apply kernels (as ``kernels.DOT_PRECISIONS``). Measured
+#: on the H200 (suite part x, the seed's 12,600 windows, tenth session): Gram 1.25 ms with "ieee" vs 1.33
+#: with "tf32x3" (the outer products per z-window summed over y apart, the ninth session's: 1.36 / 1.51);
+#: reconstruction 1.76 ms with "ieee" vs 1.43 with "tf32x3"; the Gram 1.8e-6 from float64 and the sums
+#: 1.2e-7 from the fused kernels' either way.
+DOT_PRECISION = dict(gram="ieee", apply="tf32x3")
 
 
 @triton.jit
-def _outer_sums_kernel(volume_ptr, corner_ptr, out_ptr, first_line, n_windows, width, n_z: tl.constexpr,
-                       n_volumes: tl.constexpr, extent: tl.constexpr, DOT: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_T: tl.constexpr):
-    program = tl.program_id(0).to(tl.int64)  # the z-window varies fastest: neighbours share rows
-    window = program % n_windows
-    line = first_line + program // n_windows
-    z0 = tl.load(corner_ptr + window)
-    j = tl.arange(0, BLOCK_E)
-    t = tl.arange(0, BLOCK_T)
-    volume_valid = t < n_volumes
-    valid = (j < extent)[:, None] & volume_valid[None, :]
-    rows = line * n_z + z0 + j
-    x = tl.load(volume_ptr + rows[:, None] * n_volumes + t[None, :], mask=valid, other=0.0)
-    mean = tl.sum(x, axis=1) / n_volumes
-    x = tl.where(valid, x - mean[:, None], 0.0)
-    gram = tl.dot(tl.trans(x), x, input_precision=DOT)
-    out = out_ptr + (line * n_windows + window) * width
-    tl.store(out + t[:, None] * n_volumes + t[None, :], gram, mask=volume_valid[:, None] & volume_valid[None, :])
+def _slice_grams_kernel(volume_ptr, y_corner_ptr, z_corner_ptr, out_ptr, first_plane, n_b, n_c,
+                        n_y: tl.constexpr, n_z: tl.constexpr, n_volumes: tl.constexpr, extent_y: tl.constexpr,
+                        extent_z: tl.constexpr, DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr,
+                        BLOCK_B: tl.constexpr):
+    """S2[x, b, c]: the Gram of the ey x ez voxels of window (b, c)'s slice in x-plane x (each voxel's mean
+    removed in registers), BLOCK_R voxels at a time. The T columns as two blocks, BLOCK_A and (T > BLOCK_A)
+    BLOCK_B wide: the Gram's blocks AA, AB and BB, BA stored as AB's transpose (at T = 48, 32 + 16 columns:
+    1792 products a voxel instead of 4096 for one block padded to 64)."""
+    program = tl.program_id(0).to(tl.int64)  # the z-window varies fastest, then the y-window: neighbours share rows
+    window_c = program % n_c
+    window_b = (program // n_c) % n_b
+    plane = first_plane + program // (n_c * n_b)
+    y0 = tl.load(y_corner_ptr + window_b)
+    z0 = tl.load(z_corner_ptr + window_c)
+    ta = tl.arange(0, BLOCK_A)
+    valid_a = ta < n_volumes
+    gram_aa = tl.zeros((BLOCK_A, BLOCK_A), dtype=tl.float32)
+    if BLOCK_B > 0:
+        tb = BLOCK_A + tl.arange(0, BLOCK_B)
+        valid_b = tb < n_volumes
+        gram_ab = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+        gram_bb = tl.zeros((BLOCK_B, BLOCK_B), dtype=tl.float32)
+    n_rows: tl.constexpr = extent_y * extent_z
+    for start in range(0, n_rows, BLOCK_R):
+        e = start + tl.arange(0, BLOCK_R)
+        voxel = e < n_rows
+        rows = (plane * n_y + y0 + e // extent_z) * n_z + z0 + e % extent_z
+        xa = tl.load(volume_ptr + rows[:, None] * n_volumes + ta[None, :], mask=voxel[:, None] & valid_a[None, :],
+                     other=0.0)
+        total = tl.sum(xa, axis=1)
+        if BLOCK_B > 0:
+            xb = tl.load(volume_ptr + rows[:, None] * n_volumes + tb[None, :],
+                         mask=voxel[:, None] & valid_b[None, :], other=0.0)
+            total += tl.sum(xb, axis=1)
+        mean = total / n_volumes
+        xa = tl.where(voxel[:, None] & valid_a[None, :], xa - mean[:, None], 0.0)
+        gram_aa = tl.dot(tl.trans(xa), xa, gram_aa, input_precision=DOT)
+        if BLOCK_B > 0:
+            xb = tl.where(voxel[:, None] & valid_b[None, :], xb - mean[:, None], 0.0)
+            gram_ab = tl.dot(tl.trans(xa), xb, gram_ab, input_precision=DOT)
+            gram_bb = tl.dot(tl.trans(xb), xb, gram_bb, input_precision=DOT)
+    out = out_ptr + ((plane * n_b + window_b) * n_c + window_c) * n_volumes * n_volumes
+    tl.store(out + ta[:, None] * n_volumes + ta[None, :], gram_aa, mask=valid_a[:, None] & valid_a[None, :])
+    if BLOCK_B > 0:
+        tl.store(out + ta[:, None] * n_volumes + tb[None, :], gram_ab, mask=valid_a[:, None] & valid_b[None, :])
+        tl.store(out + tb[None, :] * n_volumes + ta[:, None], gram_ab, mask=valid_a[:, None] & valid_b[None, :])
+        tl.store(out + tb[:, None] * n_volumes + tb[None, :], gram_bb, mask=valid_b[:, None] & valid_b[None, :])
+
+
+def _column_blocks(n_volumes):
+    """(BLOCK_A, BLOCK_B) of ``_slice_grams_kernel``: T's columns as a power of two up to 32 and the rest
+    (0: none)."""
+    if n_volumes <= 32:
+        return max(16, triton.next_power_of_2(n_volumes)), 0
+    return 32, max(16, triton.next_power_of_2(n_volumes - 32))
 
 
 @triton.jit
@@ -105,21 +143,25 @@ def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, m
     restored = tl.zeros((BLOCK_Z, BLOCK_T), dtype=tl.float32)
     tile = volume_valid[:, None] & volume_valid[None, :]
     offsets = t[:, None] * n_volumes + t[None, :]
+    # and the voxel's sums of w, w sigma, w rank over its windows (``maps``: each z-window's sums over x and y)
+    weight = tl.zeros((BLOCK_Z,), dtype=tl.float32)
+    weighted_sigma = tl.zeros((BLOCK_Z,), dtype=tl.float32)
+    weighted_rank = tl.zeros((BLOCK_Z,), dtype=tl.float32)
     for window in range(tl.load(lowest_ptr + block), tl.load(highest_ptr + block)):
         z0 = tl.load(corner_ptr + window)
         inside = (z >= z0) & (z < z0 + extent)
         spread = tl.load(spread_ptr + (line * n_windows + window) * width + offsets, mask=tile, other=0.0)
         restored = tl.dot(tl.where(inside[:, None], x, 0.0), spread, restored, input_precision=DOT)
-    # the voxel's sums of w, w sigma, w rank over its windows (``spread``), added into the maps here too
-    weight = tl.load(maps_ptr + rows * 3, mask=z_valid, other=0.0)
+        sums = maps_ptr + (line * n_windows + window) * 3
+        weight += tl.where(inside, tl.load(sums), 0.0)
+        weighted_sigma += tl.where(inside, tl.load(sums + 1), 0.0)
+        weighted_rank += tl.where(inside, tl.load(sums + 2), 0.0)
     restored += mean[:, None] * weight[:, None]
     image = image_ptr + rows[:, None] * n_volumes + t[None, :]
     tl.store(image, tl.load(image, mask=valid, other=0.0) + restored, mask=valid)
     tl.store(weight_ptr + rows, tl.load(weight_ptr + rows, mask=z_valid, other=0.0) + weight, mask=z_valid)
-    tl.store(sigma_ptr + rows, tl.load(sigma_ptr + rows, mask=z_valid, other=0.0)
-             + tl.load(maps_ptr + rows * 3 + 1, mask=z_valid, other=0.0), mask=z_valid)
-    tl.store(rank_ptr + rows, tl.load(rank_ptr + rows, mask=z_valid, other=0.0)
-             + tl.load(maps_ptr + rows * 3 + 2, mask=z_valid, other=0.0), mask=z_valid)
+    tl.store(sigma_ptr + rows, tl.load(sigma_ptr + rows, mask=z_valid, other=0.0) + weighted_sigma, mask=z_valid)
+    tl.store(rank_ptr + rows, tl.load(rank_ptr + rows, mask=z_valid, other=0.0) + weighted_rank, mask=z_valid)
 
 
 def applies(plan, options, finite, n_volumes, dtype, fused) -> bool:
@@ -158,8 +200,8 @@ _geometries = {}
 
 def _geometry(plan, slab, device):
     """The slab's grid of windows (a, b, c) and its tables on ``device``: per axis, the runs of rows each sum
-    reads (a window's extent of rows from its corner: the Gram) and the run of windows holding each row (the
-    reconstruction's spread); the z-windows each block of ``BLOCK_Z`` voxels meets (``_apply_kernel``); and
+    reads (a window's extent of rows from its corner: the Gram), along x and y the run of windows holding each
+    row (the reconstruction's spread); the z-windows each block of ``BLOCK_Z`` voxels meets (``_apply_kernel``); and
     on the host, the x-plane after each corner's windows along x (``gram_in_parts``).
     Cached by the plan's geometry and the slab's bounds (the windows of a full grid follow from them)."""
     if device.type == "cuda" and device.index is None:  # the GPU "cuda" means now
@@ -180,7 +222,7 @@ def _geometry(plan, slab, device):
         return tuple(to_device(np.asarray(a, dtype=np.int32), device) for a in arrays)
 
     windows = [on_device(c, np.full(len(c), e)) for c, e in zip(corners, plan.extent)]
-    cover = [on_device(*_cover(c, e, s)) for c, e, s in zip(corners, plan.extent, shape)]
+    cover = [on_device(*_cover(c, e, s)) for c, e, s in zip(corners[:2], plan.extent[:2], shape[:2])]  # x, y
     starts = np.arange(0, nz, BLOCK_Z)
     stops = np.minimum(starts + BLOCK_Z, nz)
     lowest = np.searchsorted(corners[2] + plan.extent[2], starts, side="right")
@@ -199,9 +241,9 @@ class BoxSums:
     ``volume`` need be on the device (its upload runs meanwhile)."""
 
     def __init__(self, plan, slab, n_volumes, device, dot_precision=None):
-        self.dot = dict(DOT_PRECISION, **(dot_precision or {}))  # per kernel: "outer", "apply"
+        self.dot = dict(DOT_PRECISION, **(dot_precision or {}))  # per kernel: "gram", "apply"
         if set(self.dot) != set(DOT_PRECISION) or not set(self.dot.values()) <= set(kernels.DOT_PRECISIONS):
-            raise ValueError(f"dot_precision maps 'outer' and 'apply' to one of {kernels.DOT_PRECISIONS}, "
+            raise ValueError(f"dot_precision maps 'gram' and 'apply' to one of {kernels.DOT_PRECISIONS}, "
                              f"not {dot_precision!r}")
         _, ny, nz = plan.spatial_shape
         nx = slab.stop - slab.first
@@ -213,9 +255,11 @@ class BoxSums:
         # (every window's place is written by the first pass's batches before anything reads it)
         self.projectors = torch.empty((a * b * c, self.width), dtype=torch.float32, device=device)
         self.scalars = torch.empty((a * b * c, 3), dtype=torch.float32, device=device)
-        self._lines = torch.empty((nx * ny * c, self.width), dtype=torch.float32, device=device)  # S1, then R
+        self._lines = torch.empty((nx * ny * c, self.width), dtype=torch.float32, device=device)  # R
         self._planes = torch.empty((nx * b * c, self.width), dtype=torch.float32, device=device)  # S2, x-spread
-        self._voxel_maps = None  # (V, 3) w, w sigma, w rank per voxel, once ``spread``
+        self._maps = torch.empty((nx * b * c, 3), dtype=torch.float32, device=device)  # scalars' x-spread
+        self._line_maps = torch.empty((nx * ny * c, 3), dtype=torch.float32, device=device)  # and y-spread
+        self.planes_spread = 0  # x-planes ``spread`` has queued
 
     def gram(self, volume, arrivals=()):
         """The Gram matrices (W, T, T) float32 of every window, in the plan's order (x, then y, then z), of
@@ -228,27 +272,19 @@ class BoxSums:
         """Queue the Gram matrices of every window into ``self.grams`` (W, T, T) as the slab's rows arrive,
         yielding the number of windows (in the plan's order) whose Gram is queued so far each time it grows.
         ``arrivals``: while the rows are arriving, the number of whole rows there so far after each part;
-        the outer products of the lines there and the y-sums of the x-planes there are queued then, and the
-        x-sums of the windows all of whose planes are there; the rest once it is exhausted."""
-        (nx, ny, nz), ez, (a, b, c), width = self.shape, self.extent[2], self.grid, self.width
-        m = self.n_volumes
-        z_corners = self.windows[2][0]
+        the slices' Grams of the x-planes there are queued then, and the x-sums of the windows all of whose
+        planes are there; the rest once it is exhausted."""
+        (nx, ny, nz), (a, b, c), width, m = self.shape, self.grid, self.width, self.n_volumes
         self.grams = torch.empty((a * b * c, m, m), dtype=torch.float32, device=volume.device)
         grams = self.grams.view(a * b * c, width)
         x_starts, x_counts = self.windows[0]
-        # lines whose outer products, x-planes whose y-sums, corners along x whose windows' x-sums are queued
-        lines_done = planes_done = corners_done = 0
+        planes_done = corners_done = 0  # x-planes whose slices' Grams, corners along x whose windows' are queued
         for stop in _then_all(arrivals, nx * ny * nz):
-            lines = min(stop // nz, nx * ny)
-            if lines > lines_done:
-                _outer_sums_kernel[(c * (lines - lines_done),)](
-                    volume, z_corners, self._lines, lines_done, c, width, nz, m, ez, DOT=self.dot["outer"],
-                    BLOCK_E=max(16, triton.next_power_of_2(ez)), BLOCK_T=kernels.block_volumes(m), num_warps=4)
-                lines_done = lines
-            planes = lines // ny
-            if planes > planes_done:  # (the planes' rows of S1 and S2 as tensors of their own)
-                _range_sums(self._lines[planes_done * ny * c:planes * ny * c], self.windows[1],
-                            self._planes[planes_done * b * c:planes * b * c], planes - planes_done, ny, b, c * width)
+            planes = min(stop // (ny * nz), nx)
+            if planes > planes_done:
+                _slice_grams_kernel[(c * b * (planes - planes_done),)](
+                    volume, self.windows[1][0], self.windows[2][0], self._planes, planes_done, b, c, ny, nz, m,
+                    self.extent[1], self.extent[2], self.dot["gram"], 32, *_column_blocks(m), num_warps=4)
                 planes_done = planes
             corners = int(np.searchsorted(self.x_corner_ends, planes, side="right"))
             if corners > corners_done:
@@ -265,35 +301,42 @@ class BoxSums:
         self.projectors[windows] = (projector * weight[:, None, None]).reshape(len(weight), -1)
         self.scalars[windows] = torch.stack((weight, weight * sigma, weight * rank), dim=1)
 
-    def spread(self):
+    def spread(self, windows=None):
         """The first half of ``accumulate``: the windows' weighted projectors and scalars spread back over x
-        and y (and the scalars over z), from what ``add_windows`` holds now."""
+        and y (the last spread, over z, is ``_apply_kernel``'s), for the x-planes not spread yet all of whose
+        windows are among the first ``windows`` in the plan's order (default: every plane). ``add_windows``
+        must not change a window of a plane once spread (until ``accumulate`` has run)."""
         (nx, ny, nz), (a, b, c), width = self.shape, self.grid, self.width
-        device = self.projectors.device
-        _range_sums(self.projectors, self.cover[0], self._planes, 1, a, nx, b * c * width)
-        _range_sums(self._planes, self.cover[1], self._lines, nx, b, ny, c * width)
-        maps = torch.empty((nx * b * c, 3), dtype=torch.float32, device=device)
-        _range_sums(self.scalars, self.cover[0], maps, 1, a, nx, b * c * 3)
-        lines = torch.empty((nx * ny * c, 3), dtype=torch.float32, device=device)
-        _range_sums(maps, self.cover[1], lines, nx, b, ny, c * 3)
-        self._voxel_maps = torch.empty((nx * ny * nz, 3), dtype=torch.float32, device=device)
-        _range_sums(lines, self.cover[2], self._voxel_maps, nx * ny, c, nz, 3)
+        corners = a if windows is None else min(windows // (b * c), a)
+        # the planes before the next corner along x: no later window holds them
+        stop = nx if corners == a else int(self.x_corner_ends[corners]) - self.extent[0]
+        first = self.planes_spread
+        if stop <= first:
+            return
+        x_runs = tuple(table[first:stop] for table in self.cover[0])
+        _range_sums(self.projectors, x_runs, self._planes[first * b * c:stop * b * c], 1, a, stop - first,
+                    b * c * width)
+        _range_sums(self._planes[first * b * c:stop * b * c], self.cover[1], self._lines[first * ny * c:stop * ny * c],
+                    stop - first, b, ny, c * width)
+        _range_sums(self.scalars, x_runs, self._maps[first * b * c:stop * b * c], 1, a, stop - first, b * c * 3)
+        _range_sums(self._maps[first * b * c:stop * b * c], self.cover[1],
+                    self._line_maps[first * ny * c:stop * ny * c], stop - first, b, ny, c * 3)
+        self.planes_spread = stop
 
     def accumulate(self, volume, image, weight, sigma, rank, planes_per_piece=None, on_final=None):
         """Add every window's w (X_c P + mean) of the slab's ``volume`` into ``image`` (V, T) and w, w sigma,
-        w rank into the maps (V,) (after ``spread``, or spreading first).
+        w rank into the maps (V,) (spreading first what ``spread`` has not).
         The last step (each voxel's row) runs in pieces of ``planes_per_piece`` x-planes (default all), each
         followed by ``on_final(stop)``: the rows before ``stop`` hold their sums (a caller's download of them
         can run beside the next piece)."""
-        if self._voxel_maps is None:
-            self.spread()
+        self.spread()
+        self.planes_spread = 0  # (for the next run of a box kept with its graphs)
         (nx, ny, nz), c, width = self.shape, self.grid[2], self.width
-        voxels, self._voxel_maps = self._voxel_maps, None
         step = planes_per_piece or nx
         for x0 in range(0, nx, step):
             x1 = min(x0 + step, nx)
             _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * (x1 - x0) * ny,)](
-                volume, self._lines, self.windows[2][0], *self.z_blocks, voxels, image, weight, sigma, rank,
+                volume, self._lines, self.windows[2][0], *self.z_blocks, self._line_maps, image, weight, sigma, rank,
                 x0 * ny, c, width, nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], BLOCK_Z=BLOCK_Z,
                 BLOCK_T=kernels.block_volumes(self.n_volumes), num_warps=4)
             if on_final is not None:

@@ -561,9 +561,10 @@ class _Timeline:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def mark(self, step):
+    def mark(self, step, event=None):
+        """``event``: instead of one recorded on the current stream now (another stream's, timing enabled)."""
         if self.enabled:
-            self.steps.append((step, time.perf_counter(), self._event()))
+            self.steps.append((step, time.perf_counter(), event or self._event()))
 
     def note(self, step, at):
         """A step of the host alone (another thread's), at ``at`` (``time.perf_counter()``)."""
@@ -748,8 +749,10 @@ class _PlanRun:
         context.box_gram = None  # the first pass is done with it
 
         if self.settles_on_device(n_voxels, n_volumes):
-            self._settle_on_device(context, verdicts)
+            settled = self._settle_on_device(context, verdicts, timed=timeline is not None and timeline.enabled)
             mark("settling pass queued")
+            if settled is not None:
+                mark("settling pass done (its stream)", settled)
             context.accumulate_box(on_final)
             mark("reconstruction queued")
             return
@@ -787,11 +790,12 @@ class _PlanRun:
                 on_retry=self.solver.release_workspaces)
             verdicts += part
             self.retries += retries
+            context.spread_final_planes(ready)
             first = ready
             mark(f"first pass to window {ready} queued")
         return verdicts, step
 
-    def _settle_on_device(self, context, verdicts):
+    def _settle_on_device(self, context, verdicts, timed=False):
         """The settling pass without the host: the windows to redo (from the first pass's ``verdicts``: a
         failed eigensolve or an unsettled rank) sorted first, their number left on the device, and float64
         batches over all the slab's places whose kernels return at once past that number (each launch sized
@@ -803,7 +807,8 @@ class _PlanRun:
         idle; they had weight 0 in the first pass); it adds its windows with the fused reconstruction, and
         the current stream waits for it before the box sums' last step. Every tensor it reads that the current
         stream allocated stays referenced until that wait is queued (so no block it reads is handed to the
-        current stream's later work before it is done)."""
+        current stream's later work before it is done). Returns the event the current stream waits for (with
+        ``timed``, one that times), or None without a stream of its own."""
         if context.box is not None:
             context.box.spread()
         with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
@@ -822,10 +827,12 @@ class _PlanRun:
                                                             torch.float64, True, False),
                 on_retry=self.solver.release_workspaces)
             self.retries += retries
-        if self.side is not None:
-            settled = torch.cuda.Event()
-            settled.record(self.side)
-            torch.cuda.current_stream(self.device).wait_event(settled)
+        if self.side is None:
+            return None
+        settled = torch.cuda.Event(enable_timing=timed)
+        settled.record(self.side)
+        torch.cuda.current_stream(self.device).wait_event(settled)
+        return settled
 
 
 def _may_replay(plan, options, finite, n_volumes, path, eigensolver, precision, settle) -> bool:
@@ -840,7 +847,7 @@ def _first_pass_settings():
     from . import tridiagonal
 
     return (FUSED_THRESHOLD, SETTLE_SLACK, TRIDIAGONAL_SETTLE_SLACK, tridiagonal.PROJECTOR_LANES,
-            tridiagonal.INVERSE_ITERATIONS, tridiagonal.MULTISECTION,
+            tridiagonal.INVERSE_ITERATIONS, tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS,
             tuple(sorted(boxsums.DOT_PRECISION.items())))
 
 
@@ -868,6 +875,7 @@ class _FirstPassGraphs:
         self.parts = None  # once captured: (graph, arrivals it follows, windows ready after it) per part
         self.failed = False  # a capture failed: the geometry's runs queue their first pass themselves
         self.context = self.verdicts = self.step = self.stops = None
+        self.planes_spread = 0  # x-planes the graphs spread back (``BoxSums.planes_spread`` after them)
 
     @classmethod
     def taken(cls, key):
@@ -921,6 +929,7 @@ class _FirstPassGraphs:
                         context.box_gram = context.box.grams
                         part = [context.batch(slice(a, min(a + step, ready)), run.dtype, run.fused, run.settle,
                                               run.refine) for a in range(first, ready, step)]
+                        context.spread_final_planes(ready)
                     finally:
                         graph.capture_end()
                     parts.append((graph, consumed[0], ready))
@@ -929,10 +938,12 @@ class _FirstPassGraphs:
         except Exception:  # noqa: BLE001 - e.g. out of memory while capturing: the run queues it itself
             self.failed = True
             torch.cuda.synchronize(run.device)
+            context.box.planes_spread = 0  # (nothing of it ran)
             return None
         finally:
             context.capturing = False
         self.parts, self.context, self.verdicts, self.step = parts, context, verdicts, step
+        self.planes_spread = context.box.planes_spread
         return self.replay(volume, finite_rows, report)  # (the series is there: nothing to wait for)
 
     def replays(self, series) -> bool:
@@ -947,6 +958,7 @@ class _FirstPassGraphs:
         context = self.context
         stream = torch.cuda.current_stream(context.run.device)
         context.finite = finite_rows
+        context.box.planes_spread = self.planes_spread
         arrivals = series.arrivals(stream) if isinstance(series, Upload) else iter(())
         waited = 0
         for graph, follows, ready in self.parts:
@@ -1015,6 +1027,14 @@ class _SlabContext:
             pass
         if ready < n_windows:
             yield n_windows
+
+    def spread_final_planes(self, ready):
+        """With the settling pass on the device (its windows had weight 0 here and are added apart, by the
+        fused reconstruction), the box's projectors of the first ``ready`` windows are final once queued:
+        the x-planes no later window holds are spread back (``BoxSums.spread``) while the first pass goes on."""
+        run = self.run
+        if self.box is not None and run.settles_on_device(run.plan.patch_size, self.volume.shape[1]):
+            self.box.spread(ready)
 
     def accumulate_box(self, on_final=None):
         """The box sums' reconstruction of every window they hold (after the settling pass: its windows are

@@ -50,6 +50,11 @@ PROJECTOR_LANES = 16
 #: matrices 48 x 48, float32): values 2.24 -> 2.13 ms, the same eigenvalues' errors; unrolling the count's
 #: loop over the rows instead was slower (2.72 ms; float64: 0.62 -> 0.56 ms on 437 matrices).
 MULTISECTION = True
+#: Householder on blocks that halve as the trailing block shrinks (the steps of the columns from m - BLOCK/2
+#: on take a (BLOCK/2, BLOCK/2) block, loaded from memory, and so on down to 16 x 16) instead of every step
+#: on the whole (BLOCK, BLOCK) block: at m = 48, 16 steps on 64 x 64, 16 on 32 x 32 and 14 on 16 x 16 (~45% of
+#: the elements' work).
+SHRINKING_BLOCKS = True
 
 
 def _bisections(dtype) -> int:
@@ -59,6 +64,15 @@ def _bisections(dtype) -> int:
 
 def _log2_floor(n):
     return n.bit_length() - 1
+
+
+def _householder_phases(m: int) -> int:
+    """Blocks the Householder steps take (``SHRINKING_BLOCKS``): the first (BLOCK, BLOCK), each next one half
+    the size (down to 16 x 16) from column m - its size on, while it leaves steps to take."""
+    phases = 1
+    while SHRINKING_BLOCKS and (_block(m) >> phases) >= 16:  # (m > BLOCK / 2: each block starts past column 0)
+        phases += 1
+    return phases
 
 
 def _block(m: int) -> int:
@@ -79,14 +93,57 @@ def _warps(m: int, dtype) -> int:
 
 
 @triton.jit
-def _reflect(a, v, tiny):
-    """H a H with H = I - beta v v^T (beta = 2 / v^T v; H = I for v = 0), as a rank-two update; returns
-    the new matrix and u = v sqrt(beta), the stored form of H = I - u u^T."""
-    vv = tl.sum(v * v, axis=0)
+def _reflect(a, v, vv, tiny):
+    """H a H with H = I - beta v v^T (beta = 2 / v^T v, ``vv`` = v^T v; H = I for v = 0), as a rank-two
+    update; returns the new matrix and u = v sqrt(beta), the stored form of H = I - u u^T."""
     beta = tl.where(vv > tiny, 2.0 / tl.maximum(vv, tiny), 0.0)
     p = tl.sum(a * v[None, :], axis=1) * beta
     w = p - (0.5 * beta * tl.sum(v * p, axis=0)) * v
     return a - v[:, None] * w[None, :] - w[:, None] * v[None, :], v * tl.sqrt(beta)
+
+
+@triton.jit
+def _householder_steps(a, a_ptr, d_ptr, e_ptr, matrix, first: tl.constexpr, m: tl.constexpr, SIZE: tl.constexpr,
+                       LAST: tl.constexpr, tiny):
+    """Householder steps on the trailing block of rows and columns ``first`` .. m-1 (``a``, (SIZE, SIZE), zero
+    past the matrix): those of columns ``first`` .. m-3 (``LAST``), else those of the columns before the
+    next phase's block (its first row: m - SIZE / 2), which is stored over the matrix for that phase to
+    load. Each H_k = I - u_k u_k^T is stored over row k from column ``first`` on (u_k is zero up to row k),
+    and the entries of T this phase made final into d and e."""
+    rows = tl.arange(0, SIZE)
+    r = rows[:, None]
+    c = rows[None, :]
+    base = a_ptr + matrix * m * m
+    done: tl.constexpr = (m - 2 if LAST else m - SIZE // 2) - first  # columns this phase takes
+    for k in range(0, done):  # (k: the column within the block)
+        column = tl.sum(tl.where(c == k, a, 0.0), axis=1)
+        x = tl.where(rows > k, column, 0.0)
+        norm = tl.sqrt(tl.sum(x * x, axis=0))
+        leading = tl.sum(tl.where(rows == k + 1, x, 0.0), axis=0)
+        alpha = tl.where(leading > 0, -norm, norm)
+        # v = x - alpha e_k+1: v^T v = 2 norm (norm + |leading|), one reduction fewer on the step's path
+        a, u = _reflect(a, tl.where(rows == k + 1, x - alpha, x), 2.0 * norm * (norm + tl.abs(leading)), tiny)
+        tl.store(base + (first + k) * m + first + rows, u.to(a_ptr.dtype.element_ty), mask=first + rows < m)
+    inside = first + rows < m
+    final = inside if LAST else inside & (rows <= done)  # d_i up to row ``done`` (e_i too: T[i, i-1])
+    tl.store(d_ptr + matrix * m + first + rows, tl.sum(tl.where(r == c, a, 0.0), axis=1), mask=final)
+    tl.store(e_ptr + matrix * m + first + rows, tl.sum(tl.where(r == c + 1, a, 0.0), axis=1),
+             mask=final & ((rows >= 1) | (first == 0)))  # (e_first lies outside the block but for e_0 = 0)
+    if not LAST:  # the next phase's block, from row and column ``done`` of this one
+        tl.store(base + (first + r) * m + first + c, a.to(a_ptr.dtype.element_ty),
+                 mask=(r >= done) & (c >= done) & (first + r < m) & (first + c < m))
+
+
+@triton.jit
+def _trailing_phase(a_ptr, d_ptr, e_ptr, matrix, m: tl.constexpr, SIZE: tl.constexpr, LAST: tl.constexpr,
+                    FP64: tl.constexpr, tiny):
+    """The Householder steps on the (SIZE, SIZE) block from row and column m - SIZE on, which the phase
+    before stored over the matrix."""
+    tl.debug_barrier()
+    rows = tl.arange(0, SIZE) + (m - SIZE)
+    a = tl.load(a_ptr + matrix * m * m + rows[:, None] * m + rows[None, :],
+                mask=(rows[:, None] < m) & (rows[None, :] < m), other=0.0).to(tl.float64 if FP64 else tl.float32)
+    _householder_steps(a, a_ptr, d_ptr, e_ptr, matrix, m - SIZE, m, SIZE, LAST, tiny)
 
 
 @triton.jit
@@ -107,7 +164,7 @@ def _count_below(d_ptr, e_ptr, matrix, shift, pivot_floor, m: tl.constexpr, BLOC
 @triton.jit
 def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, count_ptr, m: tl.constexpr,
                    BLOCK: tl.constexpr, FP64: tl.constexpr, BISECTIONS: tl.constexpr, RANK_ONE: tl.constexpr,
-                   COUNTED: tl.constexpr, MULTISECTION: tl.constexpr = False):
+                   COUNTED: tl.constexpr, MULTISECTION: tl.constexpr = False, PHASES: tl.constexpr = 1):
     matrix = tl.program_id(0).to(tl.int64)
     if COUNTED:  # only the first *count_ptr matrices are asked for
         if matrix >= tl.load(count_ptr):
@@ -126,25 +183,26 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, c
         # (names of their own: the loop below must not see these as its loop-carried values)
         direction = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
         leading = tl.sum(tl.where(rows == 0, direction, 0.0), axis=0)
-        a, h = _reflect(a, tl.where(rows == 0, direction - tl.where(leading > 0, -1.0, 1.0), direction), tiny)
+        reflector = tl.where(rows == 0, direction - tl.where(leading > 0, -1.0, 1.0), direction)
+        a, h = _reflect(a, reflector, tl.sum(reflector * reflector, axis=0), tiny)
         tl.store(direction_ptr + matrix * m + rows, h.to(direction_ptr.dtype.element_ty), mask=rows < m)
 
-    # 1. Householder: zero column k below the sub-diagonal, from both sides
-    for k in range(0, m - 2):
-        column = tl.sum(tl.where(c == k, a, 0.0), axis=1)
-        x = tl.where(rows > k, column, 0.0)
-        norm = tl.sqrt(tl.sum(x * x, axis=0))
-        first = tl.sum(tl.where(rows == k + 1, x, 0.0), axis=0)
-        alpha = tl.where(first > 0, -norm, norm)
-        a, u = _reflect(a, tl.where(rows == k + 1, x - alpha, x), tiny)  # H_k = I - u u^T
-        tl.store(a_ptr + matrix * m * m + k * m + rows, u.to(a_ptr.dtype.element_ty), mask=rows < m)
-    diagonal = tl.sum(tl.where(r == c, a, 0.0), axis=1)
+    # 1. Householder: zero column k below the sub-diagonal, from both sides, on blocks that halve as the
+    #    trailing block shrinks (``_householder_phases``); then T's diagonal d and sub-diagonal e from memory
+    _householder_steps(a, a_ptr, d_ptr, e_ptr, matrix, 0, m, BLOCK, PHASES == 1, tiny)
+    if PHASES > 1:
+        _trailing_phase(a_ptr, d_ptr, e_ptr, matrix, m, BLOCK // 2, PHASES == 2, FP64, tiny)
+    if PHASES > 2:
+        _trailing_phase(a_ptr, d_ptr, e_ptr, matrix, m, BLOCK // 4, PHASES == 3, FP64, tiny)
+    if PHASES > 3:  # (BLOCK <= 128: down to 16 x 16)
+        _trailing_phase(a_ptr, d_ptr, e_ptr, matrix, m, BLOCK // 8, True, FP64, tiny)
+    tl.debug_barrier()
+    diagonal = tl.load(d_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
+    below = tl.load(e_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)  # e_i = T[i, i-1], e_0 = 0
+    above = tl.load(e_ptr + matrix * m + rows + 1, mask=rows + 1 < m, other=0.0).to(dtype)  # T[i, i+1]
     if RANK_ONE:
         diagonal += tl.where(rows == 0, tl.load(weight_ptr + matrix).to(dtype), 0.0)
-    below = tl.sum(tl.where(r == c + 1, a, 0.0), axis=1)  # e_i = T[i, i-1], e_0 = 0
-    above = tl.sum(tl.where(c == r + 1, a, 0.0), axis=1)  # T[i, i+1] = e_{i+1}
-    tl.store(d_ptr + matrix * m + rows, diagonal, mask=rows < m)
-    tl.store(e_ptr + matrix * m + rows, below, mask=rows < m)
+        tl.store(d_ptr + matrix * m + rows, diagonal, mask=rows < m)
     tl.debug_barrier()
 
     # 2. bisection: lane j converges on the j-th smallest eigenvalue (the device runs enough programs at once
@@ -278,7 +336,8 @@ def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, proje
             # back to the matrix's basis: y <- H_0 (H_1 (... H_{m-3} y))
             for step in range(0, m - 2):
                 k = m - 3 - step
-                u = tl.load(a_ptr + matrix * m * m + k * m + rows, mask=rows < m, other=0.0).to(dtype)
+                u = tl.load(a_ptr + matrix * m * m + k * m + rows, mask=(rows > k) & (rows < m),
+                            other=0.0).to(dtype)  # (a later phase's u_k is stored from its block's column on)
                 y = y - u[:, None] * tl.sum(u[:, None] * y, axis=0)[None, :]
             if RANK_ONE:  # and through H_w, the first reflector
                 u = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
@@ -343,7 +402,7 @@ class TridiagonalEigh:
             _values_kernel[(batch,)](matrices, d, e, values, direction, weight, d if count is None else count, m,
                                      BLOCK=_block(m), FP64=fp64, BISECTIONS=bisections,
                                      RANK_ONE=rank_one is not None, COUNTED=count is not None,
-                                     MULTISECTION=multisection,
+                                     MULTISECTION=multisection, PHASES=_householder_phases(m),
                                      num_warps=self.warps or _warps(m, matrices.dtype))
         self._state = (matrices, d, e, values, direction if rank_one is not None else None, count)
         return values, torch.zeros(batch, dtype=torch.int32, device=matrices.device)
