@@ -453,6 +453,7 @@ def seed_quick(rows, blocks=3, only=()):
                  for rounds in (2, 4, 6)]
     variants += [(f"ours, staged by {threads} threads", dict(), {(upload, "STAGE_THREADS"): threads})
                  for threads in (12, 16)]
+
     variants = [variant for variant in variants if not only or any(word in variant[0] for word in only)]
     best = {}
     for block in range(blocks):
@@ -736,7 +737,7 @@ def seed_settling():
 def tridiagonal_warps(count=12_600):
     """(w) issue 5: the tridiagonal kernels on ``count`` seed-like Gram matrices (float32, m = 48, 64, one
     warp a matrix; float64, m = 48, two warps, 1,500 and 437 of them as in a settling pass): values
-    (Householder + bisection) with or without the multisection start and the shrinking Householder blocks,
+    (Householder + bisection) with or without the shrinking Householder blocks (and with twice the warps),
     Householder alone (no bisection step), the projector (16-lane launch for ranks <= 16
     and the rest); each checked against float64 XsyevBatched (largest eigenvalue error over the largest
     eigenvalue, largest projector deviation)."""
@@ -766,11 +767,13 @@ def tridiagonal_warps(count=12_600):
                 times.append(time.perf_counter() - started)
             return min(times[1:]) * 1e3, result
 
-        for multisection, shrinking in ((True, False), (False, True), (True, True)):
+        default_warps = warps
+        for multisection, shrinking, warps in ((True, False, default_warps), (True, True, default_warps),
+                                               (True, True, 2 * default_warps)):
             defaults = tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS
             tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS = multisection, shrinking
             try:
-                solver = TridiagonalEigh("cuda")
+                solver = TridiagonalEigh("cuda", warps=warps)
                 values_ms, values = best(lambda a: solver.values(a)[0])
                 projector_ms, projector = best(lambda _: solver.projector(rank))
                 householder_ms, _ = best(lambda a: _values_kernel[(batch,)](
