@@ -3,8 +3,9 @@ all the eigenvalues, then the projector onto the leading ``rank`` eigenvectors (
 
 ``values`` kernel (the matrix in registers, m <= ``MAX_ORDER``):
 
-1. Householder tridiagonalisation, A <- H_k A H_k for k = 0 .. m-3 with H_k = I - u_k u_k^T; each u_k is
-   written over row k of the input (it is no longer needed), the diagonal d and sub-diagonal e beside it.
+1. Householder tridiagonalisation, A <- H_k A H_k for k = 0 .. m-3 with H_k = I - u_k u_k^T, on blocks that
+   halve as the trailing block shrinks (``SHRINKING_BLOCKS``); each u_k is written over row k of the input
+   (it is no longer needed) from its block's first column on, the diagonal d and sub-diagonal e beside it.
 2. Bisection on Sturm counts of T - x I (LDL^T pivots), all m eigenvalues at once (one lane each), from
    Gershgorin's interval down to the precision's resolution: the eigenvalues come back ascending.
 
