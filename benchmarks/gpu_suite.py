@@ -28,9 +28,8 @@
     profiler: device time per stage and kernel.
 (r) long series (T = 300, 1000; windows of (c)'s phantoms): the float32 eigensolve's eigenvalue errors, the
     float64 Rayleigh quotients of its eigenvectors, the ranks and the windows each settling criterion flags.
-(w) the tridiagonal kernels' time (values with and without the multisection start and the shrinking Householder
-    blocks, Householder alone,
-    projector), float32 at m = 48, 64 and float64 at m = 48 (a settling pass's
+(w) the tridiagonal kernels' time (values with and without the shrinking Householder blocks, and with twice
+    the warps; Householder alone; projector), float32 at m = 48, 64 and float64 at m = 48 (a settling pass's
     sizes: 1,500 and 437 matrices).
 (q) the seed's windows: the tridiagonal kernels' float32 eigenvalue errors and what each settling slack
     flags (and misses).
@@ -753,7 +752,7 @@ def tridiagonal_warps(count=12_600):
         rank = marchenko_pastur_threshold(values64, voxels, m, "exp2")[0]
         projector64 = xsyev.projector(rank)
         work = matrices.to(dtype).contiguous()
-        warps = tridiagonal._warps(m, dtype)
+        own_warps = tridiagonal._warps(m, dtype)
         d, e, v = (torch.empty((batch, m), device="cuda", dtype=dtype) for _ in range(3))
 
         def best(run, repeats=7):
@@ -767,11 +766,8 @@ def tridiagonal_warps(count=12_600):
                 times.append(time.perf_counter() - started)
             return min(times[1:]) * 1e3, result
 
-        default_warps = warps
-        for multisection, shrinking, warps in ((True, False, default_warps), (True, True, default_warps),
-                                               (True, True, 2 * default_warps)):
-            defaults = tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS
-            tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS = multisection, shrinking
+        for shrinking, warps in ((False, own_warps), (True, own_warps), (True, 2 * own_warps)):
+            default, tridiagonal.SHRINKING_BLOCKS = tridiagonal.SHRINKING_BLOCKS, shrinking
             try:
                 solver = TridiagonalEigh("cuda", warps=warps)
                 values_ms, values = best(lambda a: solver.values(a)[0])
@@ -780,9 +776,9 @@ def tridiagonal_warps(count=12_600):
                     a, d, e, v, d, d, d, m, BLOCK=_block(m), FP64=dtype == torch.float64, BISECTIONS=0,
                     RANK_ONE=False, COUNTED=False, PHASES=_householder_phases(m), num_warps=warps))
             finally:
-                tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS = defaults
+                tridiagonal.SHRINKING_BLOCKS = default
             row = dict(m=m, dtype=str(dtype).replace("torch.", ""), batch=batch, warps=warps,
-                       multisection=multisection, shrinking_blocks=shrinking, values_ms=values_ms,
+                       shrinking_blocks=shrinking, values_ms=values_ms,
                        householder_alone_ms=householder_ms,
                        projector_ms=projector_ms,
                        values_err=float(((values.double() - values64).abs().amax(1) / values64[:, -1]).max()),
