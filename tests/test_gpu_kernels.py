@@ -886,7 +886,15 @@ def test_the_settling_pass_chosen_on_the_device_redoes_what_the_host_would(kerne
     data, _, finite, plan, options = prepared(noisy, extent=(5, 3, 5), stride=2, estimator="exp2",
                                               aggregation=aggregation, demean=demean)
     run = dict(device="cpu", eigensolver="tridiagonal", path=path, planes=planes)
+    parts = []  # with the box sums: each part of the first pass settled and finished in turn
+    finish_part = pipeline._PartFinishing.part
+    monkeypatch.setattr(pipeline._PartFinishing, "part", lambda self, ready, *args: (
+        parts.append((ready, self.context.box.final_planes(ready))), finish_part(self, ready, *args)))
     on_device = pipeline.denoise_gpu(data, finite, plan, options, **run)
+    if path == "auto":  # the upload's three rounds of rows: corners along x in two parts, planes 0-1 first
+        assert parts == [(plan.n_windows // 3, 2), (plan.n_windows, 9)]
+    else:
+        assert parts == []
     monkeypatch.setattr(pipeline._PlanRun, "settles_on_device", lambda self, n_voxels, n_volumes: False)
     on_host = pipeline.denoise_gpu(data, finite, plan, options, **run)
     n_settled = on_device.info["n_settled_in_float64"]

@@ -301,16 +301,19 @@ class BoxSums:
         self.projectors[windows] = (projector * weight[:, None, None]).reshape(len(weight), -1)
         self.scalars[windows] = torch.stack((weight, weight * sigma, weight * rank), dim=1)
 
+    def final_planes(self, windows=None) -> int:
+        """The x-planes before the first corner along x after the first ``windows`` windows in the plan's
+        order (default: every window, every plane): no later window holds them."""
+        corners = self.grid[0] if windows is None else min(windows // (self.grid[1] * self.grid[2]), self.grid[0])
+        return self.shape[0] if corners == self.grid[0] else int(self.x_corner_ends[corners]) - self.extent[0]
+
     def spread(self, windows=None):
         """The first half of ``accumulate``: the windows' weighted projectors and scalars spread back over x
         and y (the last spread, over z, is ``_apply_kernel``'s), for the x-planes not spread yet all of whose
-        windows are among the first ``windows`` in the plan's order (default: every plane). ``add_windows``
+        windows are among the first ``windows`` in the plan's order (``final_planes``). ``add_windows``
         must not change a window of a plane once spread (until ``accumulate`` has run)."""
-        (nx, ny, nz), (a, b, c), width = self.shape, self.grid, self.width
-        corners = a if windows is None else min(windows // (b * c), a)
-        # the planes before the next corner along x: no later window holds them
-        stop = nx if corners == a else int(self.x_corner_ends[corners]) - self.extent[0]
-        first = self.planes_spread
+        (_, ny, _), (a, b, c), width = self.shape, self.grid, self.width
+        first, stop = self.planes_spread, self.final_planes(windows)
         if stop <= first:
             return
         x_runs = tuple(table[first:stop] for table in self.cover[0])
@@ -325,16 +328,21 @@ class BoxSums:
 
     def accumulate(self, volume, image, weight, sigma, rank, planes_per_piece=None, on_final=None):
         """Add every window's w (X_c P + mean) of the slab's ``volume`` into ``image`` (V, T) and w, w sigma,
-        w rank into the maps (V,) (spreading first what ``spread`` has not).
-        The last step (each voxel's row) runs in pieces of ``planes_per_piece`` x-planes (default all), each
-        followed by ``on_final(stop)``: the rows before ``stop`` hold their sums (a caller's download of them
-        can run beside the next piece)."""
+        w rank into the maps (V,) (spreading first what ``spread`` has not): ``apply`` over every plane."""
         self.spread()
-        self.planes_spread = 0  # (for the next run of a box kept with its graphs)
-        (nx, ny, nz), c, width = self.shape, self.grid[2], self.width
-        step = planes_per_piece or nx
-        for x0 in range(0, nx, step):
-            x1 = min(x0 + step, nx)
+        self.planes_spread = 0  # (for another run of the box)
+        self.apply(volume, image, weight, sigma, rank, 0, self.shape[0], planes_per_piece, on_final)
+
+    def apply(self, volume, image, weight, sigma, rank, first_plane, stop_plane, planes_per_piece=None,
+              on_final=None):
+        """The last step of ``accumulate`` for the x-planes ``first_plane`` to ``stop_plane`` (spread already):
+        each voxel's row gets its windows' sums, in pieces of ``planes_per_piece`` x-planes (default all),
+        each followed by ``on_final(stop)``: the rows before ``stop`` hold their sums (a caller's download of
+        them can run beside the next piece)."""
+        (_, ny, nz), c, width = self.shape, self.grid[2], self.width
+        step = planes_per_piece or max(stop_plane - first_plane, 1)
+        for x0 in range(first_plane, stop_plane, step):
+            x1 = min(x0 + step, stop_plane)
             _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * (x1 - x0) * ny,)](
                 volume, self._lines, self.windows[2][0], *self.z_blocks, self._line_maps, image, weight, sigma, rank,
                 x0 * ny, c, width, nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], BLOCK_Z=BLOCK_Z,

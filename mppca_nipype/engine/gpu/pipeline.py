@@ -16,11 +16,12 @@ Per batch, with no host synchronisation:
    ``FUSED_THRESHOLD``, the same decision and the settling test in one kernel, ``threshold``), the
    solver's projector onto the kept eigenvectors, ``aggregation_weights`` times the window's multiplicity.
 4. Reconstruction added into (V, T) image and (V,) weight/sigma/rank sums on the device (atomics), or for
-   ``center`` each centre row written to its voxel; with the box sums, the weighted projectors of the whole
-   slab's first pass spread back over x and y and applied to each voxel once (no atomics), after the
-   settling pass added its windows, in pieces whose rows are downloaded while the next piece computes
-   (``_Finisher``). With the box sums the first pass also runs in parts, on the windows whose rows have
-   arrived while the rest of the series is staged and copied (``_SlabContext.start``).
+   ``center`` each centre row written to its voxel; with the box sums, the weighted projectors spread back
+   over x and y and applied to each voxel once (no atomics). With the box sums the first pass runs in
+   parts, on the windows whose rows have arrived while the rest of the series is staged and copied
+   (``_SlabContext.start``); with the settling pass on the device, each part is then settled, its final
+   x-planes reconstructed, divided and downloaded on a side stream while the next part runs
+   (``_PartFinishing``, ``_Finisher``).
 
 Demeaning: ``voxel`` removes each voxel's temporal mean (T - 1 volumes go to the estimator); ``volume``
 removes the patch's mean time course over its finite voxels (n_eff - 1 voxels go to the estimator; the
@@ -78,7 +79,7 @@ import torch
 from ..estimators import aggregation_weights, marchenko_pastur_threshold
 from . import boxsums, kernels
 from .eigh import BatchedEigh, ProjectorFromVectors
-from .upload import StagedSeries, Upload, switching_often, to_device
+from .upload import StagedSeries, Upload, round_bounds, switching_often, to_device
 from .threshold import threshold_on_device
 from .tridiagonal import MAX_ORDER as TRIDIAGONAL_MAX_ORDER, TridiagonalEigh
 
@@ -135,6 +136,14 @@ SETTLE_PRIORITY = -1
 #: thread has queued the run at 7.0 ms instead of 14.2; end to end 11.6 vs 11.7 ms at 3 rounds (the device is
 #: the limit then), 11.7 vs 15.1 at 6. False: every run queues its first pass itself.
 GRAPHS = True
+#: With the box sums and the settling pass on the device, each part of the first pass settled, reconstructed,
+#: divided and downloaded on the side stream while the next part runs (``_PartFinishing``). False: the
+#: settling pass of all the slab's windows after the first pass, then the reconstruction (the tenth session's
+#: flow; for comparisons).
+FINISH_BY_PART = True
+#: The settling pass of each replayed part starts at the event its graph records once the part's verdicts are
+#: known (an external event node), before the part's projectors and spread; False: after the whole part.
+VERDICT_EVENTS_IN_GRAPHS = True
 #: Geometries whose first-pass graphs, series on the device and box sums' scratch are kept between runs
 #: (each holds the scratch of one slab: ~2 GiB at the seed's size; a dataset's runs mostly share one).
 GRAPH_CACHE = 1
@@ -402,7 +411,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
             device = torch.device("cuda", torch.cuda.current_device())
         graphs = _FirstPassGraphs.taken((str(device), plan.spatial_shape, plan.extent, plan.stride, plan.n_windows,
                                          data.shape[3], options, path, eigensolver, precision, max_batch, settle,
-                                         planes, _first_pass_settings()))
+                                         planes, normalize, _first_pass_settings()))
     try:
         # the upload's threads get the GIL when they need it, not after Python's default 5 ms
         with switching_often() if device.type == "cuda" else nullcontext():
@@ -472,11 +481,14 @@ def _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolve
     downloads = torch.cuda.Stream(device) if on_gpu else None
     timeline.mark("set up")
     for number, slab in enumerate(slabs):
-        sums = _SlabSums((slab.stop - slab.first) * plane, n_volumes, device, carried)
+        if graphs is not None:  # (one slab) the sums the geometry's graphs add into
+            sums = graphs.sums_for((slab.stop - slab.first) * plane, n_volumes, device)
+        else:
+            sums = _SlabSums((slab.stop - slab.first) * plane, n_volumes, device, carried)
         final = (slab.done - slab.first) * plane
         finisher = _Finisher(sums, outputs, slab.first * plane, final, normalize, downloads)
         timeline.mark("slab's sums")
-        run.slab(slab, lambda: rows_of(number), sums, report, data, finite, on_final=finisher.up_to,
+        run.slab(slab, lambda: rows_of(number), sums, report, data, finite, finisher=finisher,
                  timeline=timeline, graphs=graphs)
         done_windows = slab.windows.stop
         finisher.up_to(final)
@@ -523,6 +535,11 @@ class _SlabSums:
 
     def tensors(self):
         return self.image, self.weight, self.sigma, self.rank
+
+    def zero_(self):
+        for sums in self.tensors():
+            sums.zero_()
+        return self
 
     def tail(self, start):
         """The sums of rows ``start`` on (the halo a next slab goes on adding into), or None if there are none."""
@@ -579,41 +596,53 @@ class _Timeline:
 
 class _Finisher:
     """A slab's rows before ``final`` divided by their weights (with ``normalize``) and copied into the host
-    ``outputs`` from row ``first`` on, as they get their last addition (``up_to``): on the GPU, downloaded
-    on the ``downloads`` stream while the device goes on computing. The image's rows go as they are
-    finished, the three maps' (1/T of the image each) all at once with the last rows: fewer copies to queue
-    (the host's queueing was the run's critical path there, eighth session's timeline)."""
+    ``outputs`` from row ``first`` on, as they get their last addition (``up_to``): on the GPU, divided on the
+    current stream and downloaded on the ``downloads`` stream while the device goes on computing. The image's
+    rows go as they are finished, the three maps' (1/T of the image each) when asked (``maps``) and with the
+    last rows: fewer copies to queue (the host's queueing was the run's critical path there, eighth
+    session's timeline). Without ``outputs``: divided only (as captured in a graph, ``_PartFinishing``)."""
 
     def __init__(self, sums, outputs, first, final, normalize, downloads):
         self.sums, self.outputs, self.first, self.final = sums, outputs, first, final
-        self.normalize, self.downloads, self.done = normalize, downloads, 0
+        self.normalize, self.downloads, self.done, self.maps_done = normalize, downloads, 0, 0
         if downloads is not None:
-            self.computing = torch.cuda.current_stream(downloads.device)
             for values in sums.tensors():  # read by the downloads: not reused before they are done
                 values.record_stream(downloads)
 
-    def up_to(self, stop):
-        """Finish the rows from the last call's ``stop`` up to ``stop`` (at most ``final``)."""
-        rows = slice(self.done, min(stop, self.final))
-        if rows.stop <= rows.start:
+    def divider(self):
+        """A ``_Finisher`` of the same rows that divides them and copies nothing."""
+        return _Finisher(self.sums, None, self.first, self.final, self.normalize, None)
+
+    def up_to(self, stop, maps=False, divided=None):
+        """Finish the rows from the last call's ``stop`` up to ``stop`` (at most ``final``); with ``maps`` (or
+        at ``final``) download the maps' rows finished since they last went too. ``divided``: an event after
+        the rows' division, done elsewhere (a replayed graph), instead of dividing them here."""
+        stop = min(stop, self.final)
+        rows = slice(self.done, stop)
+        copies = []
+        if rows.stop > rows.start:
+            if self.normalize and divided is None:
+                self.sums.divide(rows)
+            copies.append((0, rows))
+            self.done = stop
+        if (maps or stop == self.final) and stop > self.maps_done:
+            copies += [(k, slice(self.maps_done, stop)) for k in (1, 2, 3)]
+            self.maps_done = stop
+        if not copies or self.outputs is None:
             return
-        if self.normalize:
-            self.sums.divide(rows)
-        copies = [(self.outputs[0], self.sums.image, rows)]
-        if rows.stop == self.final:
-            everything = slice(0, self.final)
-            copies += [(host, values, everything) for host, values in zip(self.outputs[1:], self.sums.tensors()[1:])]
+        tensors = self.sums.tensors()
         if self.downloads is None:
-            for host, values, part in copies:
-                host[self.first + part.start:self.first + part.stop].copy_(values[part])
-        else:
+            for k, part in copies:
+                self.outputs[k][self.first + part.start:self.first + part.stop].copy_(tensors[k][part])
+            return
+        if divided is None:
             divided = torch.cuda.Event()
-            divided.record(self.computing)
-            self.downloads.wait_event(divided)
-            with torch.cuda.stream(self.downloads):
-                for host, values, part in copies:
-                    host[self.first + part.start:self.first + part.stop].copy_(values[part], non_blocking=True)
-        self.done = rows.stop
+            divided.record(torch.cuda.current_stream(self.downloads.device))
+        self.downloads.wait_event(divided)
+        with torch.cuda.stream(self.downloads):
+            for k, part in copies:
+                self.outputs[k][self.first + part.start:self.first + part.stop].copy_(tensors[k][part],
+                                                                                      non_blocking=True)
 
 
 class _PlanRun:
@@ -669,18 +698,20 @@ class _PlanRun:
         """How the first pass's Gram matrices were computed: "box" (in some slab), "fused" or "gather"."""
         return "box" if self.n_box_slabs else "fused" if self.fused else "gather"
 
-    def slab(self, slab, arrive, sums, report, data, finite_host, on_final=None, timeline=None, graphs=None):
+    def slab(self, slab, arrive, sums, report, data, finite_host, finisher=None, timeline=None, graphs=None):
         """All the windows of one slab: a first pass in the Gram precision, then (float32) the windows it
         could not settle and those whose eigensolve failed in float64, then what failed again on the CPU.
         ``arrive()`` gives the slab's series and finite flags on the device; it is called once the slab's
         tables are set up (their upload runs meanwhile). Queued without waiting for the device where
         ``settles_on_device``; else one synchronisation after the first pass. With the box sums and the
-        settling pass on the device, ``on_final(stop)`` is called as the slab's rows before ``stop`` get
-        their last addition (else the caller finishes them after). ``timeline`` (``_Timeline``) marks the steps.
+        settling pass on the device, ``finisher.up_to(stop)`` (``_Finisher``) is called as the slab's rows
+        before ``stop`` get their last addition (else the caller finishes them after). ``timeline``
+        (``_Timeline``) marks the steps.
         ``graphs`` (``_FirstPassGraphs``, taken): with the box sums and the settling pass on the device, the
         geometry's first pass is captured on its second run and replayed from then on."""
         plan, n_volumes, n_voxels = self.plan, sums.image.shape[1], self.plan.patch_size
         mark = timeline.mark if timeline is not None else lambda step: None
+        on_final = finisher.up_to if finisher is not None else None
         if self.fused is None:
             self.fused = self.path in ("fused", "box") or (self.path == "auto"
                                                   and kernels.fused_fits(n_voxels, n_volumes, self.dtype))
@@ -717,7 +748,10 @@ class _PlanRun:
             context.renew(sums)
             self.n_box_slabs += 1
             self.step, self.first_pass = graphs.step, "replayed"
-            verdicts = graphs.replay(*arrived, report)
+            finishing = self._part_finishing(context, finisher, timeline)
+            if finishing is not None and graphs.parts[0][-1] is not None:  # (the captured passes' counts)
+                self.settled_on_device += graphs.settled_counts
+            verdicts = graphs.replay(*arrived, report, finishing)
             mark("first pass replayed")
         else:
             box = None
@@ -726,28 +760,31 @@ class _PlanRun:
                 self.n_box_slabs += 1
                 mark("box sums' tables")
             context = _SlabContext(self, slab, sums, row0, box)
+            finishing = self._part_finishing(context, finisher, timeline)
             mark("slab set up")
             step = self.step or batch_size(self.device, w1 - w0, n_voxels, n_volumes, self.dtype, self.fused,
                                            self.solver, self.max_batch, self.refine)
             series, finite_rows = arrived or arrive()
             verdicts = None
             if graphs is not None and box is not None and graphs.eager_runs:  # (its kernels are built)
-                verdicts = graphs.capture(context, series, finite_rows, step, report)
+                verdicts = graphs.capture(context, series, finite_rows, step, report, finishing)
                 if verdicts is not None:
                     self.first_pass = "captured"
                     mark("first pass captured and replayed")
                 else:  # the series is there (the capture waited for it)
                     series = series.tensor if isinstance(series, Upload) else series
             if verdicts is None:
-                verdicts, step = self._first_pass(context, series, finite_rows, step, report, mark)
+                verdicts, step = self._first_pass(context, series, finite_rows, step, report, mark,
+                                                  finishing and finishing.part)
                 if graphs is not None and box is not None:
                     graphs.eager_runs += 1
             self.step = step
-        if self.first_pass != "queued" and self.side is not None:  # (graphs record no event for the side stream)
-            context.verdicts_ready = torch.cuda.Event()
-            context.verdicts_ready.record(torch.cuda.current_stream(self.device))
         context.box_gram = None  # the first pass is done with it
 
+        if finishing is not None:  # each part settled and finished on the side stream as it was queued
+            finishing.close()
+            mark("reconstruction queued")
+            return
         if self.settles_on_device(n_voxels, n_volumes):
             settled = self._settle_on_device(context, verdicts, timed=timeline is not None and timeline.enabled)
             mark("settling pass queued")
@@ -778,9 +815,10 @@ class _PlanRun:
             rows, values, replace = _cpu_contributions(data, finite_host, plan, self.options, failed + w0)
             sums.add(rows - row0, *values, replace=replace)
 
-    def _first_pass(self, context, series, finite_rows, step, report, mark):
+    def _first_pass(self, context, series, finite_rows, step, report, mark, on_part=None):
         """The slab's first pass queued by this thread, in parts as the rows arrive; returns its verdicts
-        (per batch: the solver's ``info`` and the windows left unsettled) and the batch size it ended with."""
+        (per batch: the solver's ``info`` and the windows left unsettled) and the batch size it ended with.
+        ``on_part(ready, verdicts, verdicts_ready)`` after each part (``_PartFinishing.part``)."""
         verdicts, first = [], 0
         for ready in context.start(series, finite_rows):  # windows first..ready can run: their rows are there
             part, step, retries = run_in_batches(
@@ -791,48 +829,192 @@ class _PlanRun:
             verdicts += part
             self.retries += retries
             context.spread_final_planes(ready)
+            if on_part is not None:
+                on_part(ready, part, context.verdicts_ready)
             first = ready
             mark(f"first pass to window {ready} queued")
         return verdicts, step
 
+    def _part_finishing(self, context, finisher, timeline):
+        """A ``_PartFinishing`` for the slab's first pass where it takes the box sums and the settling pass
+        runs on the device, else None."""
+        if (not FINISH_BY_PART or context.box is None
+                or not self.settles_on_device(self.plan.patch_size, context.n_volumes)):
+            return None
+        return _PartFinishing(self, context, finisher, timeline)
+
+    def _queue_settling(self, context, verdicts, first=0, step=None):
+        """Queue, on the current stream, the settling pass of the slab's windows ``first`` on that the
+        first pass's ``verdicts`` cover (a failed eigensolve or an unsettled rank): those to redo sorted first,
+        their number left on the device, and float64 batches over all those places whose kernels return at
+        once past that number (each launch sized for every window, the work for the few redone); they add
+        their windows with the fused reconstruction (atomics). ``step``: windows per batch (default: from the
+        free memory)."""
+        redo = torch.cat([info for info, _ in verdicts]) != 0
+        redo |= torch.cat([left for _, left in verdicts])
+        count = redo.sum()
+        order = torch.argsort(redo.to(torch.int8), descending=True, stable=True) + first
+        self.settled_on_device.append(count)
+        step = step or self._settling_step(len(redo), context.n_volumes)
+        _, _, retries = run_in_batches(
+            len(redo), step, lambda a, b: context.batch(_Chosen(order[a:b], (count - a).clamp(0, b - a)),
+                                                        torch.float64, True, False),
+            on_retry=self.solver.release_workspaces)
+        self.retries += retries
+
+    def _settling_step(self, n_windows, n_volumes):
+        """Windows per batch of a settling pass over ``n_windows`` windows (float64, fused kernels)."""
+        return batch_size(self.device, n_windows, self.plan.patch_size, n_volumes, torch.float64, True, self.solver,
+                          self.max_batch)
+
     def _settle_on_device(self, context, verdicts, timed=False):
-        """The settling pass without the host: the windows to redo (from the first pass's ``verdicts``: a
-        failed eigensolve or an unsettled rank) sorted first, their number left on the device, and float64
-        batches over all the slab's places whose kernels return at once past that number (each launch sized
-        for every window, the work for the few redone).
+        """The settling pass without the host (``_queue_settling``) after the whole first pass (the fused
+        kernels' first pass; the box sums' with ``FINISH_BY_PART`` off).
 
         On a GPU the pass runs on a stream of its own (``self.side``, of high priority), from the moment the
         first pass's verdicts are known (``_SlabContext.verdicts_ready``: before its projectors), beside the
-        rest of the first pass and the box sums' spread (its few hundred windows leave most of the device
-        idle; they had weight 0 in the first pass); it adds its windows with the fused reconstruction, and
-        the current stream waits for it before the box sums' last step. Every tensor it reads that the current
+        rest of the first pass (its few hundred windows leave most of the device idle; they had weight 0 in
+        the first pass), and the current stream waits for it. Every tensor it reads that the current
         stream allocated stays referenced until that wait is queued (so no block it reads is handed to the
         current stream's later work before it is done). Returns the event the current stream waits for (with
         ``timed``, one that times), or None without a stream of its own."""
-        if context.box is not None:
+        if self.side is not None and context.verdicts_ready is None:  # (a replayed first pass)
+            context.verdicts_ready = torch.cuda.Event()
+            context.verdicts_ready.record(torch.cuda.current_stream(self.device))
+        if context.box is not None:  # (``FINISH_BY_PART`` off) the spread queued before, to run beside it
             context.box.spread()
         with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
             if self.side is not None:
                 self.side.wait_event(context.verdicts_ready)
-            redo = torch.cat([info for info, _ in verdicts]) != 0
-            redo |= torch.cat([left for _, left in verdicts])
-            count = redo.sum()
-            order = torch.argsort(redo.to(torch.int8), descending=True, stable=True)
-            self.settled_on_device.append(count)
-            n_voxels, n_volumes = self.plan.patch_size, context.volume.shape[1]
-            step = batch_size(self.device, len(redo), n_voxels, n_volumes, torch.float64, True, self.solver,
-                              self.max_batch)
-            _, _, retries = run_in_batches(
-                len(redo), step, lambda a, b: context.batch(_Chosen(order[a:b], (count - a).clamp(0, b - a)),
-                                                            torch.float64, True, False),
-                on_retry=self.solver.release_workspaces)
-            self.retries += retries
+            self._queue_settling(context, verdicts)
         if self.side is None:
             return None
         settled = torch.cuda.Event(enable_timing=timed)
         settled.record(self.side)
         torch.cuda.current_stream(self.device).wait_event(settled)
         return settled
+
+
+class _PartFinishing:
+    """With the box sums and the settling pass on the device, each part of a slab's first pass finished as
+    soon as it is queued, on the run's side stream (``_PlanRun.side``; on the CPU in turn): its windows'
+    settling pass (``_PlanRun._queue_settling``: they had weight 0 in the first pass) from the moment its
+    verdicts are known, then, once its spread is done, the x-planes no later window holds
+    (``BoxSums.final_planes``) reconstructed (``BoxSums.apply``) in pieces, each divided and downloaded beside
+    the rest (``_Finisher``). So only the last part's settling pass, reconstruction and download follow the
+    first pass, not the whole slab's. ``part`` queues a part's work; with the first pass's graphs, ``capture``
+    captures it as two graphs per part (the settling pass, the reconstruction and division), which
+    ``replay`` launches (the host queued ~1.5 ms a part otherwise, and became the run's critical path).
+
+    Nothing here races: the side stream does the settling passes and the reconstruction in order; a part's
+    settled windows start at its first corner along x, past the planes every earlier part's reconstruction
+    wrote, and the planes a part reconstructs were spread (by the first pass's stream) before it; the first
+    pass never writes the sums. ``close()`` makes the current stream wait for the side stream's last work."""
+
+    def __init__(self, run, context, finisher, timeline=None):
+        self.run, self.context, self.finisher, self.timeline = run, context, finisher, timeline
+        self.stream, self.windows_done, self.planes_done = run.side, 0, 0
+        self.planes_per_piece = -(-context.box.shape[0] // FINAL_PIECES)
+        self.settling_step = run._settling_step(len(context.base), context.n_volumes)
+
+    def _queue(self, ready, verdicts, on_final):
+        """Queues, from where the last part left off, the part's settling pass, yields (the caller makes the
+        stream wait for the part's spread there), then queues its final planes' reconstruction with
+        ``on_final(stop)`` after each piece."""
+        box = self.context.box
+        self.run._queue_settling(self.context, verdicts, self.windows_done, self.settling_step)
+        yield
+        stop = box.final_planes(ready)
+        box.apply(self.context.volume, *self.context.sums.tensors(), self.planes_done, stop, self.planes_per_piece,
+                  on_final)
+        self.windows_done, self.planes_done = ready, stop
+
+    def part(self, ready, verdicts, verdicts_ready=None):
+        """The first pass is queued up to window ``ready``: ``verdicts`` those of its windows from the last
+        part's ``ready`` on, ``verdicts_ready`` an event after them on the current stream (None: after all the
+        part). Queues the part's finishing."""
+        on_final = self.finisher.up_to if self.finisher is not None else None
+        if self.stream is None:
+            for _ in self._queue(ready, verdicts, on_final):
+                pass
+            if on_final is not None:
+                on_final(self.planes_done * self._plane(), maps=True)
+            return
+        spread = self._record(torch.cuda.current_stream(self.run.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(verdicts_ready if verdicts_ready is not None else spread)
+            steps = self._queue(ready, verdicts, on_final)
+            next(steps)
+            self._mark(f"windows to {ready} settled (side stream)")
+            self.stream.wait_event(spread)
+            next(steps, None)
+            if on_final is not None:
+                on_final(self.planes_done * self._plane(), maps=True)
+            self._mark(f"planes to {self.planes_done} reconstructed (side stream)")
+
+    def capture(self, ready, verdicts, pool, divider):
+        """Capture the part's finishing on the side stream: (settling graph, reconstruction graph, pieces),
+        the second dividing its rows (``divider``: ``_Finisher.divider()``, shared by the parts) and recording
+        after each piece an event of its own; pieces: (stop, maps, event) for the run's ``_Finisher.up_to``."""
+        pieces = []
+
+        def divided(stop, maps=False):
+            if divider is not None:
+                divider.up_to(stop)
+            event = torch.cuda.Event(external=True)
+            event.record(self.stream)
+            pieces.append((stop, maps, event))
+
+        graphs = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        steps = self._queue(ready, verdicts, divided)
+        with torch.cuda.stream(self.stream):
+            for graph in graphs:
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    next(steps, None)
+                    if graph is graphs[1]:
+                        divided(self.planes_done * self._plane(), maps=True)
+                finally:
+                    graph.capture_end()
+        return graphs + (pieces,)
+
+    def replay(self, ready, captured, verdicts_ready=None):
+        """Launch a part's captured finishing (``capture``) after the current stream's first pass up to
+        window ``ready`` and queue its downloads."""
+        settling, reconstruction, pieces = captured
+        spread = self._record(torch.cuda.current_stream(self.run.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(verdicts_ready if verdicts_ready is not None else spread)
+            settling.replay()
+            self._mark(f"windows to {ready} settled (side stream)")
+            self.stream.wait_event(spread)
+            reconstruction.replay()
+            self._mark(f"planes to {self.context.box.final_planes(ready)} reconstructed (side stream)")
+        if self.finisher is not None:
+            for stop, maps, event in pieces:
+                self.finisher.up_to(stop, maps, divided=event)
+
+    def reset(self):
+        """For a first pass from its first window again (after ``capture``)."""
+        self.windows_done = self.planes_done = 0
+
+    def _plane(self):
+        return self.context.box.shape[1] * self.context.box.shape[2]
+
+    @staticmethod
+    def _record(stream, timed=False):
+        event = torch.cuda.Event(enable_timing=timed)
+        event.record(stream)
+        return event
+
+    def _mark(self, step):
+        if self.timeline is not None and self.timeline.enabled:
+            self.timeline.mark(step, self._record(self.stream, timed=True))
+
+    def close(self):
+        """The current stream waits for the side stream's work (after the last part)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.run.device).wait_event(self._record(self.stream))
 
 
 def _may_replay(plan, options, finite, n_volumes, path, eigensolver, precision, settle) -> bool:
@@ -846,7 +1028,8 @@ def _first_pass_settings():
     """The module settings a captured first pass depends on (part of its graphs' key)."""
     from . import tridiagonal
 
-    return (FUSED_THRESHOLD, SETTLE_SLACK, TRIDIAGONAL_SETTLE_SLACK, tridiagonal.PROJECTOR_LANES,
+    return (FUSED_THRESHOLD, FINISH_BY_PART, FINAL_PIECES, SETTLE_SLACK, TRIDIAGONAL_SETTLE_SLACK,
+            tridiagonal.PROJECTOR_LANES,
             tridiagonal.INVERSE_ITERATIONS, tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS,
             tuple(sorted(boxsums.DOT_PRECISION.items())))
 
@@ -875,7 +1058,8 @@ class _FirstPassGraphs:
         self.parts = None  # once captured: (graph, arrivals it follows, windows ready after it) per part
         self.failed = False  # a capture failed: the geometry's runs queue their first pass themselves
         self.context = self.verdicts = self.step = self.stops = None
-        self.planes_spread = 0  # x-planes the graphs spread back (``BoxSums.planes_spread`` after them)
+        self.sums = self.finite = None  # the sums the graphs add into, the finite flags they read (all ones)
+        self.settled_counts = []  # the captured settling passes' counts of windows redone (their tensors)
 
     @classmethod
     def taken(cls, key):
@@ -889,14 +1073,22 @@ class _FirstPassGraphs:
             return None
         return entry
 
+    def sums_for(self, n_rows, n_volumes, device):
+        """The slab's sums (``_SlabSums``) the graphs add into, zeroed (on the current stream)."""
+        if self.sums is None or tuple(self.sums.image.shape) != (n_rows, n_volumes):
+            self.sums, self.parts = _SlabSums(n_rows, n_volumes, device), None
+            return self.sums
+        return self.sums.zero_()
+
     def volume_for(self, shape, device):
         if self.volume is None or tuple(self.volume.shape) != tuple(shape):
             self.volume, self.parts = torch.empty(shape, dtype=torch.float32, device=device), None
         return self.volume
 
-    def capture(self, context, series, finite_rows, step, report):
-        """Capture the slab's first pass (``context``: set up, with the box sums) and replay it; returns its
-        verdicts, or None if the capture failed (nothing of it ran; the series has arrived)."""
+    def capture(self, context, series, finite_rows, step, report, finishing=None):
+        """Capture the slab's first pass (``context``: set up, with the box sums) and, with ``finishing``
+        (``_PartFinishing``), each part's finishing, and replay them (``replay``); returns the verdicts, or
+        None if the capture failed (nothing of it ran; the series has arrived)."""
         run = context.run
         stream = torch.cuda.current_stream(run.device)
         stops = series.row_stops() if isinstance(series, Upload) else []
@@ -914,6 +1106,11 @@ class _FirstPassGraphs:
 
         parts_of = context.box.gram_in_parts(volume, counted())
         parts, verdicts, first, pool = [], [], 0, torch.cuda.graph_pool_handle()
+        # the finishing's graphs run beside the first pass's: a pool of their own (one graph's freed blocks
+        # are another's to reuse only among graphs that run one after the other)
+        finishing_pool = torch.cuda.graph_pool_handle() if finishing is not None else None
+        divider = finishing.finisher.divider() if finishing is not None and finishing.finisher is not None else None
+        counted_before = len(run.settled_on_device)
         # captured on a stream of its own (nothing runs there) with the graph API itself: ``torch.cuda.graph``
         # would also synchronise and hand torch's cached memory back, so that the next runs allocate anew
         # (measured: the first replay after it took 56 ms)
@@ -932,19 +1129,28 @@ class _FirstPassGraphs:
                         context.spread_final_planes(ready)
                     finally:
                         graph.capture_end()
-                    parts.append((graph, consumed[0], ready))
+                    # (the part's verdicts, and the event its graph records after them: ``_SlabContext.batch``)
+                    finished = (finishing.capture(ready, part, finishing_pool, divider) if finishing is not None
+                                else None)
+                    parts.append((graph, consumed[0], ready, part, context.verdicts_ready, finished))
+                    context.verdicts_ready = None
                     verdicts += part
                     first = ready
         except Exception:  # noqa: BLE001 - e.g. out of memory while capturing: the run queues it itself
             self.failed = True
             torch.cuda.synchronize(run.device)
             context.box.planes_spread = 0  # (nothing of it ran)
+            del run.settled_on_device[counted_before:]
+            if finishing is not None:
+                finishing.reset()
             return None
         finally:
             context.capturing = False
+        if finishing is not None:
+            finishing.reset()
         self.parts, self.context, self.verdicts, self.step = parts, context, verdicts, step
-        self.planes_spread = context.box.planes_spread
-        return self.replay(volume, finite_rows, report)  # (the series is there: nothing to wait for)
+        self.finite, self.settled_counts = finite_rows, run.settled_on_device[counted_before:]
+        return self.replay(volume, finite_rows, report, finishing)  # (the series is there: nothing to wait for)
 
     def replays(self, series) -> bool:
         """Whether the captured parts can replay on ``series``: uploaded into ``volume`` in the same parts."""
@@ -952,19 +1158,24 @@ class _FirstPassGraphs:
             return series.tensor is self.volume and series.row_stops() == self.stops
         return series is self.volume
 
-    def replay(self, series, finite_rows, report):
+    def replay(self, series, finite_rows, report, finishing=None):
         """The captured first pass on this run's series (uploaded into ``volume``): each part's graph once
-        the current stream waits for the rows it reads. Returns the verdicts (the graphs' own tensors)."""
+        the current stream waits for the rows it reads, then with ``finishing`` (``_PartFinishing``) the
+        part's finishing (its graphs, if captured). Returns the verdicts (the graphs' own tensors)."""
         context = self.context
         stream = torch.cuda.current_stream(context.run.device)
-        context.finite = finite_rows
-        context.box.planes_spread = self.planes_spread
+        context.finite = self.finite if self.finite is not None else finite_rows
         arrivals = series.arrivals(stream) if isinstance(series, Upload) else iter(())
         waited = 0
-        for graph, follows, ready in self.parts:
+        for graph, follows, ready, verdicts, verdicts_ready, finished in self.parts:
             while waited < follows and next(arrivals, None) is not None:
                 waited += 1
             graph.replay()
+            verdicts_ready = verdicts_ready if VERDICT_EVENTS_IN_GRAPHS else None
+            if finishing is not None and finished is not None:
+                finishing.replay(ready, finished, verdicts_ready)
+            elif finishing is not None:
+                finishing.part(ready, verdicts, verdicts_ready)
             if report:
                 report(ready)
         for _ in arrivals:
@@ -988,7 +1199,7 @@ class _SlabContext:
 
     def __init__(self, run, slab, sums, row0, box=None):
         device, plan = run.device, run.plan
-        self.run, self.sums, self.box = run, sums, box
+        self.run, self.sums, self.box, self.n_volumes = run, sums, box, sums.image.shape[1]
         self.volume = self.finite = self.box_gram = None  # once the slab's rows are there (``start``)
         self.verdicts_ready = None  # an event after the first pass's last verdicts (on a GPU, with ``run.side``)
         self.capturing = False  # while the first pass is captured as graphs (``_FirstPassGraphs.capture``)
@@ -1018,6 +1229,8 @@ class _SlabContext:
         if isinstance(volume, Upload):
             arrivals = volume.arrivals(torch.cuda.current_stream(self.run.device))
             volume = volume.tensor  # (its rows are read by work queued after their arrival only)
+        elif self.box is not None:  # there at once (the CPU): the parts the upload's rounds would give
+            arrivals = iter(int(stop) // volume.shape[1] for stop in round_bounds(volume.numel())[1:])
         self.volume, ready = volume, 0
         if self.box is not None:
             for ready in self.box.gram_in_parts(volume, arrivals):
@@ -1033,13 +1246,13 @@ class _SlabContext:
         fused reconstruction), the box's projectors of the first ``ready`` windows are final once queued:
         the x-planes no later window holds are spread back (``BoxSums.spread``) while the first pass goes on."""
         run = self.run
-        if self.box is not None and run.settles_on_device(run.plan.patch_size, self.volume.shape[1]):
+        if self.box is not None and run.settles_on_device(run.plan.patch_size, self.n_volumes):
             self.box.spread(ready)
 
     def accumulate_box(self, on_final=None):
-        """The box sums' reconstruction of every window they hold (after the settling pass: its windows are
-        in the box, or already added by the fused reconstruction), in ``FINAL_PIECES`` pieces along x with
-        ``on_final(stop)`` after each when given."""
+        """The box sums' reconstruction of every window they hold at once (after the settling pass: its
+        windows are in the box, or already added by the fused reconstruction), in ``FINAL_PIECES`` pieces
+        along x with ``on_final(stop)`` after each when given (not with ``_PartFinishing``)."""
         if self.box is not None:
             planes = -(-self.box.shape[0] // FINAL_PIECES) if on_final is not None else None
             self.box.accumulate(self.volume, *self.sums.tensors(), planes_per_piece=planes, on_final=on_final)
@@ -1114,9 +1327,10 @@ class _SlabContext:
             if rank_one:
                 unsettled |= unresolved_projectors(values, patch_rank, scale)
             keep &= ~unsettled
-            if run.side is not None and run.settles_on_device(n_voxels, n_volumes) and not self.capturing:
-                # the verdicts are known: the settling pass on the side stream may start
-                self.verdicts_ready = torch.cuda.Event()
+            if run.side is not None and run.settles_on_device(n_voxels, n_volumes):
+                # the verdicts are known: the settling pass on the side stream may start (an event of the
+                # graph's own while captured: each replay records it there)
+                self.verdicts_ready = torch.cuda.Event(external=self.capturing)
                 self.verdicts_ready.record(torch.cuda.current_stream(device))
         projector = run.solver.projector(patch_rank)
         if run.center:

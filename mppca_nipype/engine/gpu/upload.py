@@ -161,6 +161,11 @@ class _Countdown:
             raise self.error
 
 
+def round_bounds(n_elements) -> np.ndarray:
+    """Where the ``STAGE_ROUNDS`` rounds of an upload of ``n_elements`` begin and end (in elements)."""
+    return np.linspace(0, n_elements, max(1, STAGE_ROUNDS) + 1).astype(np.int64)
+
+
 class StagedSeries:
     """The caller's contiguous (V, T) float32 series, uploaded by row ranges (``upload``) through page-locked
     staging memory (torch's caching host allocator: reused from call to call). The rows go up in
@@ -187,7 +192,7 @@ class StagedSeries:
         staging = torch.empty(stop - first, dtype=torch.float32, pin_memory=True)
         staged, source, flat_out = staging.numpy(), self.flat[first:stop], tensor.reshape(-1)
         threads = stage_threads()
-        rounds = np.linspace(0, stop - first, max(1, STAGE_ROUNDS) + 1).astype(np.int64)
+        rounds = round_bounds(stop - first)
         staged_rounds = [_Countdown(threads) for _ in rounds[1:]]
 
         def copy_parts(thread):
