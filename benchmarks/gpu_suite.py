@@ -448,6 +448,9 @@ def seed_quick(rows, blocks=3, only=()):
                  {(pipeline, "VERDICT_EVENTS_IN_GRAPHS"): False}),
                 ("ours, final pieces 16", dict(), {(pipeline, "FINAL_PIECES"): 16}),
                 ("ours, final pieces 4", dict(), {(pipeline, "FINAL_PIECES"): 4}),
+                ("ours, no window unsettled (slack 0: the settling passes run empty)", dict(),
+                 {(pipeline, "TRIDIAGONAL_SETTLE_SLACK"): 0.0}),
+                ("ours, the side stream at the first pass's priority", dict(), {(pipeline, "SETTLE_PRIORITY"): 0}),
                 ("ours, bisection from Gershgorin's interval (no multisection)", dict(),
                  {(tridiagonal, "MULTISECTION"): False}),
                 ("ours, Householder on the whole block (no shrinking blocks)", dict(),
@@ -458,6 +461,9 @@ def seed_quick(rows, blocks=3, only=()):
                  for rounds in (2, 4, 6)]
     variants += [(f"ours, staged by {threads} threads", dict(), {(upload, "STAGE_THREADS"): threads})
                  for threads in (12, 16)]
+    variants += [(f"ours, staged in {rounds} rounds, the first {share:.0%} of the rows", dict(),
+                  {(upload, "STAGE_ROUNDS"): rounds, (upload, "STAGE_FIRST_SHARE"): share})
+                 for rounds, share in ((3, 0.15), (4, 0.15), (4, 0.1))]
 
     variants = [variant for variant in variants if not only or any(word in variant[0] for word in only)]
     best = {}
@@ -1364,6 +1370,7 @@ def main():
                         help="which parts to run: any of a, b, c, e, v, s, 5, k, p, r, w, q, g, h, u, o, x")
     parser.add_argument("--k-variants", default="",
                         help="(k) only the variants whose names contain one of these comma-separated words")
+    parser.add_argument("--k-blocks", type=int, default=3, help="(k) interleaved blocks of best-of-7 runs")
     parser.add_argument("--no-cpu", action="store_true",
                         help="(c) without our CPU path (the GPU's float64 run is the reference)")
     args = parser.parse_args()
@@ -1396,7 +1403,8 @@ def main():
     part("e", eigensolvers_on_large_matrices, "eigensolver_ms_per_matrix")
     part("5", eigen_step, "eigen_step")
     part("x", lambda: box_sums(rows), "box_sums")
-    part("k", lambda: seed_quick(rows, only=[word for word in args.k_variants.split(",") if word]), "seed_quick")
+    part("k", lambda: seed_quick(rows, args.k_blocks, [word for word in args.k_variants.split(",") if word]),
+         "seed_quick")
     part("p", lambda: profile_seed(args.out), "profile_seed")
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))

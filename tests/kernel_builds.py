@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int8: "*i8", torch.int32: "*i32",
-                 torch.int64: "*i64"}
+                 torch.int64: "*i64", torch.bool: "*i1"}
 
 
 def recorded_launches(call):
@@ -99,6 +99,9 @@ def cases():
                    lambda d=demean, p=dot, v=volume_mean: kernels.reconstruct_accumulate(
                        volume, finite, base, offsets, projector, *patch, *sums, demean=d, volume_mean=v,
                        dot_precision=p))
+        yield (f"reconstruct_accumulate {demean} float64 projector",  # a settling pass's
+               lambda d=demean, v=volume_mean: kernels.reconstruct_accumulate(
+                   volume, finite, base, offsets, projector.double(), *patch, *sums, demean=d, volume_mean=v))
         yield (f"reconstruct_centres {demean}",
                lambda d=demean, v=volume_mean: kernels.reconstruct_centres(
                    volume, torch.zeros(batch, dtype=torch.int64), torch.arange(batch, dtype=torch.int32),
@@ -118,6 +121,10 @@ def cases():
         yield (f"tridiagonal m={m} {str(dtype)[6:]} rank_one={rank_one} lanes={lanes} counted={counted}",
                eigen_step)
     yield "divide rows", lambda: kernels.divide_rows(*sums, slice(5, n_rows))
+    yield "choose windows", lambda: kernels.choose_windows(torch.zeros(40, dtype=torch.int32),
+                                                           torch.zeros(40, dtype=torch.bool),
+                                                           torch.zeros(50, dtype=torch.int64),
+                                                           torch.ones(50, dtype=torch.float64), 3)
     from mppca_nipype.engine.gpu.threshold import threshold_on_device
     from mppca_nipype.engine.gpu import boxsums
     from mppca_nipype.engine.gpu.pipeline import plan_slabs

@@ -149,14 +149,16 @@ def test_volume_centring_keeps_float32_gram_exact_on_a_large_baseline(kernels):
 
 @interpreted
 @pytest.mark.parametrize("demean", ["none", "voxel", "volume"])
-@pytest.mark.parametrize("n_volumes, n_voxels", [(13, 37), (33, 40)])
-def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_volumes, n_voxels):
+@pytest.mark.parametrize("n_volumes, n_voxels, projector_dtype", [(13, 37, np.float32), (33, 40, np.float32),
+                                                                   (13, 37, np.float64)])
+def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_volumes, n_voxels, projector_dtype):
+    """(A float64 projector, a settling pass's, is read rounded to float32.)"""
     rng = np.random.default_rng(n_volumes)
     n_rows, n_windows = 300, 9
     volume = (100 + 10 * rng.standard_normal((n_rows, n_volumes))).astype(np.float32)
     finite = (rng.random(n_rows) > 0.1).astype(np.float32)
     base, offsets = random_windows(rng, n_rows, n_windows, n_voxels)
-    projector = rng.standard_normal((n_windows, n_volumes, n_volumes)).astype(np.float32)
+    projector = rng.standard_normal((n_windows, n_volumes, n_volumes)).astype(projector_dtype)
     patch_weight = rng.uniform(0.1, 1, n_windows).astype(np.float32)
     patch_weight[3] = 0  # a window left to the CPU adds nothing
     patch_sigma = rng.uniform(1, 5, n_windows).astype(np.float32)
@@ -904,6 +906,25 @@ def test_the_settling_pass_chosen_on_the_device_redoes_what_the_host_would(kerne
                       (on_device.sigma, on_host.sigma), (on_device.rank, on_host.rank)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
     assert np.abs(on_device.image).min() > 100  # real values compared
+
+
+@interpreted
+@pytest.mark.parametrize("n_windows, first", [(0, 0), (7, 3), (2500, 11)])
+def test_the_windows_to_redo_are_chosen_on_the_device_in_order(kernels, n_windows, first):
+    """``choose_windows``: the failed and unsettled windows' base rows and multiplicities compacted to the
+    front in order (over several of the kernel's blocks), their count, and which places are before it."""
+    rng = np.random.default_rng(n_windows)
+    info = torch.from_numpy(np.where(rng.random(n_windows) < 0.05, 1, 0).astype(np.int32))
+    unsettled = torch.from_numpy(rng.random(n_windows) < 0.1)
+    base = torch.from_numpy(rng.integers(0, 10**6, first + n_windows + 5))
+    multiplicity = torch.from_numpy(rng.uniform(1, 3, first + n_windows + 5))
+    chosen_base, chosen_multiplicity, asked, count = kernels.choose_windows(info, unsettled, base, multiplicity,
+                                                                            first)
+    redo = first + np.flatnonzero((info.numpy() != 0) | unsettled.numpy())
+    assert count.shape == () and int(count) == len(redo)
+    np.testing.assert_array_equal(chosen_base.numpy()[:len(redo)], base.numpy()[redo])
+    np.testing.assert_array_equal(chosen_multiplicity.numpy()[:len(redo)], multiplicity.numpy()[redo])
+    np.testing.assert_array_equal(asked.numpy(), np.arange(n_windows) < len(redo))
 
 
 @interpreted

@@ -220,7 +220,7 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
         volume_valid = t < n_volumes
         projector = tl.load(projector_ptr + window.to(tl.int64) * n_volumes * n_volumes
                             + t[:, None] * n_volumes + t[None, :],
-                            mask=volume_valid[:, None] & volume_valid[None, :], other=0.0)
+                            mask=volume_valid[:, None] & volume_valid[None, :], other=0.0).to(tl.float32)
         if DEMEAN == "volume":
             volume_mean = tl.load(volume_mean_ptr + window.to(tl.int64) * n_volumes + t, mask=volume_valid,
                                   other=0.0)
@@ -253,8 +253,9 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
                            dot_precision=None):
     """Add w * (X_c P + mean) of every window to ``image`` (V, T) and w, w*sigma, w*rank to the maps (V,).
 
-    ``projector`` (B, T, T) float32; ``patch_weight``, ``patch_sigma``, ``patch_rank`` (B,) float32 (a window
-    with weight 0 is skipped: a failed eigensolve is redone on the CPU). ``demean`` as for ``gram``; with
+    ``projector`` (B, T, T) float32, or float64 (rounded to float32 as it is read: a settling pass's, whose
+    launch is sized for more windows than it holds); ``patch_weight``, ``patch_sigma``, ``patch_rank`` (B,)
+    float32 (a window with weight 0 is skipped: a failed eigensolve is redone on the CPU). ``demean`` as for ``gram``; with
     "volume", ``volume_mean`` (B, T) is what ``gram`` returned: X_hat = (X - mu) P + mu. ``dot_precision``
     as for ``gram`` (default ``DOT_PRECISION["reconstruct"]``).
     """
@@ -262,8 +263,8 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
     _check_demean(demean)
     batch, n_volumes = window_base.numel(), volume.shape[1]
     _check_volume_mean(volume_mean, demean, batch, n_volumes)
-    if projector.shape != (batch, n_volumes, n_volumes) or projector.dtype != torch.float32:
-        raise ValueError(f"projector must be ({batch}, {n_volumes}, {n_volumes}) float32")
+    if projector.shape != (batch, n_volumes, n_volumes) or projector.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"projector must be ({batch}, {n_volumes}, {n_volumes}) float32 or float64")
     for name, vector in (("patch_weight", patch_weight), ("patch_sigma", patch_sigma),
                          ("patch_rank", patch_rank)):
         if vector.shape != (batch,) or vector.dtype != torch.float32:
@@ -307,6 +308,53 @@ def divide_rows(image, weight, sigma, rank, rows: slice):
         _divide_rows_kernel[(triton.cdiv(stop - first, DIVIDE_ROWS),)](
             image, weight, sigma, rank, first, stop, n_volumes, BLOCK_R=DIVIDE_ROWS,
             BLOCK_T=min(64, triton.next_power_of_2(n_volumes)), num_warps=4)
+
+
+# -- the windows a settling pass redoes, chosen on the device -----------------------------------------------
+
+#: Windows ``_choose_kernel`` looks at per step of its loop.
+CHOOSE_BLOCK = 1024
+
+
+@triton.jit
+def _choose_kernel(info_ptr, unsettled_ptr, base_ptr, multiplicity_ptr, n_windows, first, chosen_base_ptr,
+                   chosen_multiplicity_ptr, asked_ptr, count_ptr, BLOCK: tl.constexpr):
+    """One program: the windows ``first + i`` (i < n_windows) whose ``info`` is not 0 or that are
+    ``unsettled``, in order: their base rows and multiplicities compacted to the front, their number, and
+    ``asked[j] = j < number``."""
+    count = tl.sum(tl.zeros((BLOCK,), dtype=tl.int64), axis=0)
+    for start in range(0, n_windows, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        valid = i < n_windows
+        redo = ((tl.load(info_ptr + i, mask=valid, other=0) != 0)
+                | (tl.load(unsettled_ptr + i, mask=valid, other=0) != 0)) & valid
+        taken = redo.to(tl.int64)
+        place = count + tl.cumsum(taken, axis=0) - 1
+        window = first + i
+        tl.store(chosen_base_ptr + place, tl.load(base_ptr + window, mask=redo, other=0), mask=redo)
+        tl.store(chosen_multiplicity_ptr + place, tl.load(multiplicity_ptr + window, mask=redo, other=0.0), mask=redo)
+        count += tl.sum(taken, axis=0)
+    tl.store(count_ptr, count)
+    for start in range(0, n_windows, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        tl.store(asked_ptr + j, j < count, mask=j < n_windows)
+
+
+def choose_windows(info, unsettled, base, multiplicity, first=0):
+    """The windows a settling pass redoes, chosen without the host: of windows ``first`` to ``first + n``
+    (``info`` (n,) int32 not 0: a failed eigensolve; ``unsettled`` (n,) bool), their ``base`` rows and
+    ``multiplicity`` (the slab's, by window) compacted to the front in order, their ``count`` (a 0-d int64
+    tensor) and ``asked`` (n,) bool: the places before the count. The places past the count are left
+    unwritten. One launch for what took ~20 torch operations (a sort among them)."""
+    n_windows = info.numel()
+    device = info.device
+    chosen_base = torch.empty(n_windows, dtype=base.dtype, device=device)
+    chosen_multiplicity = torch.empty(n_windows, dtype=multiplicity.dtype, device=device)
+    asked = torch.empty(n_windows, dtype=torch.bool, device=device)
+    count = torch.empty((), dtype=torch.int64, device=device)
+    _choose_kernel[(1,)](info, unsettled, base, multiplicity, n_windows, first, chosen_base, chosen_multiplicity,
+                         asked, count, BLOCK=CHOOSE_BLOCK, num_warps=4)
+    return chosen_base, chosen_multiplicity, asked, count
 
 
 # -- centre rows (center aggregation) -----------------------------------------------------------------------

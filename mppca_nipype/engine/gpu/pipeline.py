@@ -503,6 +503,10 @@ def _denoise_gpu(data, finite, plan, options, progress, device, path, eigensolve
         timeline.mark("done")
         for piece, at in sorted(series.queued_at.items()):  # (the uploader thread's)
             timeline.note(f"round {piece}'s copy queued", at)
+        for piece, at in sorted(series.staged_at.items()):
+            timeline.note(f"round {piece} staged", at)
+        if series.started_at is not None:
+            timeline.note("staging threads started", series.started_at)
         # (max_memory_allocated flattens every statistic into a dict in Python: 161 calls, seventh session)
         peak = torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"]
         device_name = torch.cuda.get_device_name(device)
@@ -845,20 +849,22 @@ class _PlanRun:
 
     def _queue_settling(self, context, verdicts, first=0, step=None):
         """Queue, on the current stream, the settling pass of the slab's windows ``first`` on that the
-        first pass's ``verdicts`` cover (a failed eigensolve or an unsettled rank): those to redo sorted first,
-        their number left on the device, and float64 batches over all those places whose kernels return at
-        once past that number (each launch sized for every window, the work for the few redone); they add
-        their windows with the fused reconstruction (atomics). ``step``: windows per batch (default: from the
-        free memory)."""
-        redo = torch.cat([info for info, _ in verdicts]) != 0
-        redo |= torch.cat([left for _, left in verdicts])
-        count = redo.sum()
-        order = torch.argsort(redo.to(torch.int8), descending=True, stable=True) + first
+        first pass's ``verdicts`` cover (a failed eigensolve or an unsettled rank): those to redo compacted
+        first (``kernels.choose_windows``), their number left on the device, and float64 batches over all those
+        places whose kernels return at once past that number (each launch sized for every window, the work
+        for the few redone); they add their windows with the fused reconstruction (atomics). ``step``: windows
+        per batch (default: from the free memory)."""
+        info, left = verdicts[0] if len(verdicts) == 1 else (torch.cat([info for info, _ in verdicts]),
+                                                             torch.cat([left for _, left in verdicts]))
+        base, multiplicity, asked, count = kernels.choose_windows(info, left, context.base, context.multiplicity, first)
         self.settled_on_device.append(count)
-        step = step or self._settling_step(len(redo), context.n_volumes)
+        n_windows = len(info)
+        step = step or self._settling_step(n_windows, context.n_volumes)
         _, _, retries = run_in_batches(
-            len(redo), step, lambda a, b: context.batch(_Chosen(order[a:b], (count - a).clamp(0, b - a)),
-                                                        torch.float64, True, False),
+            n_windows, step, lambda a, b: context.batch(
+                _Chosen(base[a:b], multiplicity[a:b], asked[a:b],
+                        count if (a, b) == (0, n_windows) else (count - a).clamp(0, b - a)),
+                torch.float64, True, False),
             on_retry=self.solver.release_workspaces)
         self.retries += retries
 
@@ -919,14 +925,16 @@ class _PartFinishing:
 
     def _queue(self, ready, verdicts, on_final):
         """Queues, from where the last part left off, the part's settling pass, yields (the caller makes the
-        stream wait for the part's spread there), then queues its final planes' reconstruction with
-        ``on_final(stop)`` after each piece."""
+        stream wait for what the reconstruction needs there), then queues its final planes' reconstruction with
+        ``on_final(stop)`` after each piece and the maps' download."""
         box = self.context.box
         self.run._queue_settling(self.context, verdicts, self.windows_done, self.settling_step)
         yield
         stop = box.final_planes(ready)
         box.apply(self.context.volume, *self.context.sums.tensors(), self.planes_done, stop, self.planes_per_piece,
                   on_final)
+        if on_final is not None:
+            on_final(stop * box.shape[1] * box.shape[2], maps=True)
         self.windows_done, self.planes_done = ready, stop
 
     def part(self, ready, verdicts, verdicts_ready=None):
@@ -934,35 +942,37 @@ class _PartFinishing:
         part's ``ready`` on, ``verdicts_ready`` an event after them on the current stream (None: after all the
         part). Queues the part's finishing."""
         on_final = self.finisher.up_to if self.finisher is not None else None
+        steps = self._queue(ready, verdicts, on_final)
         if self.stream is None:
-            for _ in self._queue(ready, verdicts, on_final):
+            for _ in steps:
                 pass
-            if on_final is not None:
-                on_final(self.planes_done * self._plane(), maps=True)
             return
         spread = self._record(torch.cuda.current_stream(self.run.device))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(verdicts_ready if verdicts_ready is not None else spread)
-            steps = self._queue(ready, verdicts, on_final)
             next(steps)
-            self._mark(f"windows to {ready} settled (side stream)")
-            self.stream.wait_event(spread)
-            next(steps, None)
-            if on_final is not None:
-                on_final(self.planes_done * self._plane(), maps=True)
-            self._mark(f"planes to {self.planes_done} reconstructed (side stream)")
+            self._reconstruct(ready, spread, lambda: next(steps, None))
+
+    def _reconstruct(self, ready, spread, queue):
+        """(On the side stream, after the part's settling pass) ``queue()`` the part's reconstruction once the
+        first pass's ``spread`` is done."""
+        self._mark(f"windows to {ready} settled (side stream)")
+        self.stream.wait_event(spread)
+        queue()
+        self._mark(f"planes to {self.context.box.final_planes(ready)} reconstructed (side stream)")
 
     def capture(self, ready, verdicts, pool, divider):
-        """Capture the part's finishing on the side stream: (settling graph, reconstruction graph, pieces),
-        the second dividing its rows (``divider``: ``_Finisher.divider()``, shared by the parts) and recording
-        after each piece an event of its own; pieces: (stop, maps, event) for the run's ``_Finisher.up_to``."""
+        """Capture the part's finishing: (settling graph, reconstruction graph, pieces), in the graph pool
+        ``pool`` (they run one after the other on the side stream), the second dividing its rows (``divider``:
+        ``_Finisher.divider()``, shared by the parts) and recording after each piece an event of its own;
+        pieces: (stop, maps, event) for the run's ``_Finisher.up_to``."""
         pieces = []
 
         def divided(stop, maps=False):
             if divider is not None:
                 divider.up_to(stop)
             event = torch.cuda.Event(external=True)
-            event.record(self.stream)
+            event.record(torch.cuda.current_stream(self.run.device))
             pieces.append((stop, maps, event))
 
         graphs = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -972,8 +982,6 @@ class _PartFinishing:
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     next(steps, None)
-                    if graph is graphs[1]:
-                        divided(self.planes_done * self._plane(), maps=True)
                 finally:
                     graph.capture_end()
         return graphs + (pieces,)
@@ -986,10 +994,7 @@ class _PartFinishing:
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(verdicts_ready if verdicts_ready is not None else spread)
             settling.replay()
-            self._mark(f"windows to {ready} settled (side stream)")
-            self.stream.wait_event(spread)
-            reconstruction.replay()
-            self._mark(f"planes to {self.context.box.final_planes(ready)} reconstructed (side stream)")
+            self._reconstruct(ready, spread, reconstruction.replay)
         if self.finisher is not None:
             for stop, maps, event in pieces:
                 self.finisher.up_to(stop, maps, divided=event)
@@ -997,9 +1002,6 @@ class _PartFinishing:
     def reset(self):
         """For a first pass from its first window again (after ``capture``)."""
         self.windows_done = self.planes_done = 0
-
-    def _plane(self):
-        return self.context.box.shape[1] * self.context.box.shape[2]
 
     @staticmethod
     def _record(stream, timed=False):
@@ -1014,7 +1016,7 @@ class _PartFinishing:
     def close(self):
         """The current stream waits for the side stream's work (after the last part)."""
         if self.stream is not None:
-            torch.cuda.current_stream(self.run.device).wait_event(self._record(self.stream))
+            torch.cuda.current_stream(self.run.device).wait_stream(self.stream)
 
 
 def _may_replay(plan, options, finite, n_volumes, path, eigensolver, precision, settle) -> bool:
@@ -1108,7 +1110,7 @@ class _FirstPassGraphs:
         parts, verdicts, first, pool = [], [], 0, torch.cuda.graph_pool_handle()
         # the finishing's graphs run beside the first pass's: a pool of their own (one graph's freed blocks
         # are another's to reuse only among graphs that run one after the other)
-        finishing_pool = torch.cuda.graph_pool_handle() if finishing is not None else None
+        finishing_pool = torch.cuda.graph_pool_handle()
         divider = finishing.finisher.divider() if finishing is not None and finishing.finisher is not None else None
         counted_before = len(run.settled_on_device)
         # captured on a stream of its own (nothing runs there) with the graph API itself: ``torch.cuda.graph``
@@ -1185,10 +1187,13 @@ class _FirstPassGraphs:
 
 @dataclass(frozen=True)
 class _Chosen:
-    """A batch of a slab's windows chosen on the device: ``index`` (B,) their places in the slab, of which the
-    first ``count`` (a device integer) are to be run; the kernels skip the rest."""
+    """A batch of a slab's windows chosen on the device (``kernels.choose_windows``): their ``base`` rows and
+    ``multiplicity`` (B,), of which the first ``count`` (a device integer; ``asked`` (B,): the places before
+    it) are to be run; the kernels skip the rest."""
 
-    index: torch.Tensor
+    base: torch.Tensor
+    multiplicity: torch.Tensor
+    asked: torch.Tensor
     count: torch.Tensor
 
 
@@ -1272,9 +1277,7 @@ class _SlabContext:
         options, demean, n_volumes = run.options, run.demean, volume.shape[1]
         count = asked = None  # the windows run: all, or the first ``count`` of ``_Chosen`` ones (``asked``)
         if isinstance(windows, _Chosen):
-            base, batch_multiplicity = self.base[windows.index], self.multiplicity[windows.index]
-            count = windows.count
-            asked = torch.arange(len(windows.index), device=device) < count
+            base, batch_multiplicity, asked, count = windows.base, windows.multiplicity, windows.asked, windows.count
         elif isinstance(windows, slice):
             base, batch_multiplicity = self.base[windows], self.multiplicity[windows]
             if run.center:
@@ -1346,10 +1349,11 @@ class _SlabContext:
             self.box.add_windows(windows if isinstance(windows, slice) else index, projector.to(torch.float32),
                                  patch_weight, patch_sigma, patch_rank)
         elif fused:  # (a settling pass chosen on the device adds its windows here with the box sums too)
-            projector = projector.to(torch.float32).contiguous()
+            # (float64 read as it is: a launch sized for every window would convert them all)
+            projector = projector.contiguous()
             if run.center:
-                kernels.reconstruct_centres(volume, centres[0], centres[1], projector, patch_weight, patch_sigma,
-                                            patch_rank, *sums.tensors(), demean=demean,
+                kernels.reconstruct_centres(volume, centres[0], centres[1], projector.to(torch.float32),
+                                            patch_weight, patch_sigma, patch_rank, *sums.tensors(), demean=demean,
                                             volume_mean=None if rank_one else volume_mean)
             else:
                 kernels.reconstruct_accumulate(volume, finite, base, run.voxel_offsets, projector, patch_weight,

@@ -45,6 +45,9 @@ STAGE_THREADS = 8
 #: 12.0 / 12.1 / 11.3 / 11.2 ms in 2 / 3 / 4 / 6 rounds (call 2), 11.5 / 11.6 / 11.7 / 13.1 in 3 / 4 / 6 / 8
 #: (call 3): the device, not the host, is the limit there; 3 rounds keep each part large.
 STAGE_ROUNDS = 3
+#: The first round's share of the rows (the rest in equal rounds), or None: all rounds equal. A small first
+#: round reaches the device sooner, and the first pass starts on it.
+STAGE_FIRST_SHARE = None
 
 #: The interpreter's thread switch interval (seconds) while a run's helper threads work
 #: (``switching_often``). At Python's default of 5 ms, a helper that needs the GIL while the caller's
@@ -162,8 +165,13 @@ class _Countdown:
 
 
 def round_bounds(n_elements) -> np.ndarray:
-    """Where the ``STAGE_ROUNDS`` rounds of an upload of ``n_elements`` begin and end (in elements)."""
-    return np.linspace(0, n_elements, max(1, STAGE_ROUNDS) + 1).astype(np.int64)
+    """Where the ``STAGE_ROUNDS`` rounds of an upload of ``n_elements`` begin and end (in elements; the
+    first ``STAGE_FIRST_SHARE`` of them, if set)."""
+    rounds = max(1, STAGE_ROUNDS)
+    if STAGE_FIRST_SHARE is None or rounds == 1:
+        return np.linspace(0, n_elements, rounds + 1).astype(np.int64)
+    first = int(n_elements * STAGE_FIRST_SHARE)
+    return np.concatenate(([0], np.linspace(first, n_elements, rounds).astype(np.int64)))
 
 
 class StagedSeries:
@@ -179,6 +187,8 @@ class StagedSeries:
     def __init__(self, series: np.ndarray):
         self.flat, self.n_volumes = series.reshape(-1), series.shape[1]
         self.queued_at = {}  # round -> perf_counter() when its copy was queued (for a run's timeline)
+        self.staged_at = {}  # round -> when the uploader thread found it staged
+        self.started_at = None  # when the first copying thread started
 
     def upload(self, rows: slice, device, stream, into=None) -> Upload:
         """Start staging and copying rows ``rows`` to ``device`` on ``stream``, into the (rows, T) float32
@@ -197,6 +207,8 @@ class StagedSeries:
 
         def copy_parts(thread):
             """(On a copying thread) this thread's part of every round, in order."""
+            if self.started_at is None:
+                self.started_at = time.perf_counter()
             for number, (a, b) in enumerate(zip(rounds[:-1], rounds[1:])):
                 low, high = a + (b - a) * thread // threads, a + (b - a) * (thread + 1) // threads
                 try:
@@ -209,6 +221,7 @@ class StagedSeries:
         def queue(number):
             """(On the uploader thread) the round's copy to the device, once it is staged."""
             staged_rounds[number].wait()
+            self.staged_at[number] = time.perf_counter()
             a, b = int(rounds[number]), int(rounds[number + 1])
             with torch.cuda.stream(stream):
                 flat_out[a:b].copy_(staging[a:b], non_blocking=True)
