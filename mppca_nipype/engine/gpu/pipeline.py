@@ -45,7 +45,8 @@ for the tridiagonal kernels, whose error is smaller; ``unsettled_ranks``), gives
 them weight 0, and after the first pass redoes them, with any failed eigensolves, in float64 on the device:
 chosen on the device (``_PlanRun.settles_on_device``: fused kernels, tridiagonal eigensolver, weighted or
 uniform aggregation; the run then waits for the device once, at its end; on a stream of its own beside the
-first pass's end), else after one synchronisation.
+first pass's end, or with the box sums beside its next part, ``_PartFinishing``), else after one
+synchronisation.
 
 On long series (gathered path, m >= ``REFINE_MIN_ORDER``: T > 128 with the defaults) a float32 eigensolve's
 error (~eps lambda_max) exceeds the spacing of the noise bulk, and the test above would flag most windows
@@ -1041,11 +1042,14 @@ class _FirstPassGraphs:
 
     A geometry's first run queues its first pass itself (its kernels are built then); the next captures it,
     one graph per part of the series' upload (each part: the Gram sums of the rows there, then the batches
-    of the windows they complete, up to the projectors the box holds), and replays the graphs; later runs
-    replay them, each after the stream waits for its part's rows. What the graphs read and write stays
-    where it was at the capture: the series' rows on the device (every run's upload goes there,
-    ``volume_for``), the box sums' scratch and the slab's tables (in the kept ``context``), the verdicts.
-    Everything after the first pass (settling, spread, reconstruction) is queued per run as before.
+    of the windows they complete, up to the projectors the box holds and the spread of its final planes),
+    and with ``FINISH_BY_PART`` each part's finishing too (``_PartFinishing.capture``: its settling pass, and
+    its final planes' reconstruction and division, in a graph pool of their own since they run beside the
+    first pass), and replays the graphs; later runs replay them, each part's after the stream waits for its
+    rows. What the graphs read and write stays where it was at the capture: the series' rows on the device
+    (every run's upload goes there, ``volume_for``), the slab's sums (``sums_for``, zeroed per run) and finite
+    flags, the box sums' scratch and the slab's tables (in the kept ``context``), the verdicts and the
+    settling passes' counts. The downloads are queued per run (into that run's page-locked outputs).
 
     ``taken(key)`` gives the geometry's entry with its lock held (the caller releases ``lock``), or None
     while another thread's run holds it; ``GRAPH_CACHE`` geometries are kept."""
