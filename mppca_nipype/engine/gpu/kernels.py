@@ -255,9 +255,9 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
 
     ``projector`` (B, T, T) float32, or float64 (rounded to float32 as it is read: a settling pass's, whose
     launch is sized for more windows than it holds); ``patch_weight``, ``patch_sigma``, ``patch_rank`` (B,)
-    float32 (a window with weight 0 is skipped: a failed eigensolve is redone on the CPU). ``demean`` as for ``gram``; with
-    "volume", ``volume_mean`` (B, T) is what ``gram`` returned: X_hat = (X - mu) P + mu. ``dot_precision``
-    as for ``gram`` (default ``DOT_PRECISION["reconstruct"]``).
+    float32 (a window with weight 0 is skipped: a failed eigensolve is redone on the CPU). ``demean`` as for
+    ``gram``; with "volume", ``volume_mean`` (B, T) is what ``gram`` returned: X_hat = (X - mu) P + mu.
+    ``dot_precision`` as for ``gram`` (default ``DOT_PRECISION["reconstruct"]``).
     """
     _check_volume(volume, finite)
     _check_demean(demean)

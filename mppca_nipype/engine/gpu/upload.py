@@ -46,7 +46,8 @@ STAGE_THREADS = 8
 #: (call 3): the device, not the host, is the limit there; 3 rounds keep each part large.
 STAGE_ROUNDS = 3
 #: The first round's share of the rows (the rest in equal rounds), or None: all rounds equal. A small first
-#: round reaches the device sooner, and the first pass starts on it.
+#: round reaches the device sooner and the first pass starts on it; measured (eleventh session, part k, 5
+#: blocks): 10% or 15% in 3 or 4 rounds 9.66-9.88 ms against 9.77 for 3 equal rounds, within the noise.
 STAGE_FIRST_SHARE = None
 
 #: The interpreter's thread switch interval (seconds) while a run's helper threads work
