@@ -924,35 +924,36 @@ class _PartFinishing:
         self.planes_per_piece = -(-context.box.shape[0] // FINAL_PIECES)
         self.settling_step = run._settling_step(len(context.base), context.n_volumes)
 
-    def _queue(self, ready, verdicts, on_final):
-        """Queues, from where the last part left off, the part's settling pass, yields (the caller makes the
-        stream wait for what the reconstruction needs there), then queues its final planes' reconstruction with
-        ``on_final(stop)`` after each piece and the maps' download."""
-        box = self.context.box
+    def _settle(self, ready, verdicts):
+        """Queue the settling pass of the windows from where the last part left off up to ``ready``."""
         self.run._queue_settling(self.context, verdicts, self.windows_done, self.settling_step)
-        yield
+        self.windows_done = ready
+
+    def _apply(self, ready, on_final):
+        """Queue the reconstruction of the planes the windows up to ``ready`` leave final, from where the last
+        part left off, with ``on_final(stop)`` after each piece and once more for the maps."""
+        box = self.context.box
         stop = box.final_planes(ready)
         box.apply(self.context.volume, *self.context.sums.tensors(), self.planes_done, stop, self.planes_per_piece,
                   on_final)
         if on_final is not None:
             on_final(stop * box.shape[1] * box.shape[2], maps=True)
-        self.windows_done, self.planes_done = ready, stop
+        self.planes_done = stop
 
     def part(self, ready, verdicts, verdicts_ready=None):
         """The first pass is queued up to window ``ready``: ``verdicts`` those of its windows from the last
         part's ``ready`` on, ``verdicts_ready`` an event after them on the current stream (None: after all the
         part). Queues the part's finishing."""
         on_final = self.finisher.up_to if self.finisher is not None else None
-        steps = self._queue(ready, verdicts, on_final)
         if self.stream is None:
-            for _ in steps:
-                pass
+            self._settle(ready, verdicts)
+            self._apply(ready, on_final)
             return
         spread = self._record(torch.cuda.current_stream(self.run.device))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(verdicts_ready if verdicts_ready is not None else spread)
-            next(steps)
-            self._reconstruct(ready, spread, lambda: next(steps, None))
+            self._settle(ready, verdicts)
+            self._reconstruct(ready, spread, lambda: self._apply(ready, on_final))
 
     def _reconstruct(self, ready, spread, queue):
         """(On the side stream, after the part's settling pass) ``queue()`` the part's reconstruction once the
@@ -977,12 +978,12 @@ class _PartFinishing:
             pieces.append((stop, maps, event))
 
         graphs = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        steps = self._queue(ready, verdicts, divided)
+        queued = (lambda: self._settle(ready, verdicts), lambda: self._apply(ready, divided))
         with torch.cuda.stream(self.stream):
-            for graph in graphs:
+            for graph, queue in zip(graphs, queued):
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    next(steps, None)
+                    queue()
                 finally:
                     graph.capture_end()
         return graphs + (pieces,)
