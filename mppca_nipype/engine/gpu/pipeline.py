@@ -754,9 +754,9 @@ class _PlanRun:
             self.n_box_slabs += 1
             self.step, self.first_pass = graphs.step, "replayed"
             finishing = self._part_finishing(context, finisher, timeline)
-            if finishing is not None and graphs.parts[0][-1] is not None:  # (the captured passes' counts)
+            if finishing is not None:  # (the captured settling passes' counts)
                 self.settled_on_device += graphs.settled_counts
-            verdicts = graphs.replay(*arrived, report, finishing)
+            verdicts = graphs.replay(arrived[0], report, finishing)
             mark("first pass replayed")
         else:
             box = None
@@ -1062,7 +1062,9 @@ class _FirstPassGraphs:
         self.lock = threading.Lock()
         self.volume = None  # the series' rows on the device, where every run's upload goes
         self.eager_runs = 0  # runs whose first pass was queued by the host (the first builds the kernels)
-        self.parts = None  # once captured: (graph, arrivals it follows, windows ready after it) per part
+        # once captured, per part: (graph, arrivals it follows, windows ready after it, the event after its
+        # verdicts, its finishing's graphs or None)
+        self.parts = None
         self.failed = False  # a capture failed: the geometry's runs queue their first pass themselves
         self.context = self.verdicts = self.step = self.stops = None
         self.sums = self.finite = None  # the sums the graphs add into, the finite flags they read (all ones)
@@ -1139,7 +1141,7 @@ class _FirstPassGraphs:
                     # (the part's verdicts, and the event its graph records after them: ``_SlabContext.batch``)
                     finished = (finishing.capture(ready, part, finishing_pool, divider) if finishing is not None
                                 else None)
-                    parts.append((graph, consumed[0], ready, part, context.verdicts_ready, finished))
+                    parts.append((graph, consumed[0], ready, context.verdicts_ready, finished))
                     context.verdicts_ready = None
                     verdicts += part
                     first = ready
@@ -1157,7 +1159,7 @@ class _FirstPassGraphs:
             finishing.reset()
         self.parts, self.context, self.verdicts, self.step = parts, context, verdicts, step
         self.finite, self.settled_counts = finite_rows, run.settled_on_device[counted_before:]
-        return self.replay(volume, finite_rows, report, finishing)  # (the series is there: nothing to wait for)
+        return self.replay(volume, report, finishing)  # (the series is there: nothing to wait for)
 
     def replays(self, series) -> bool:
         """Whether the captured parts can replay on ``series``: uploaded into ``volume`` in the same parts."""
@@ -1165,24 +1167,22 @@ class _FirstPassGraphs:
             return series.tensor is self.volume and series.row_stops() == self.stops
         return series is self.volume
 
-    def replay(self, series, finite_rows, report, finishing=None):
+    def replay(self, series, report, finishing=None):
         """The captured first pass on this run's series (uploaded into ``volume``): each part's graph once
         the current stream waits for the rows it reads, then with ``finishing`` (``_PartFinishing``) the
         part's finishing (its graphs, if captured). Returns the verdicts (the graphs' own tensors)."""
         context = self.context
         stream = torch.cuda.current_stream(context.run.device)
-        context.finite = self.finite if self.finite is not None else finite_rows
+        context.finite = self.finite
+        context.box.planes_spread = context.box.shape[0]  # (the graphs spread every plane)
         arrivals = series.arrivals(stream) if isinstance(series, Upload) else iter(())
         waited = 0
-        for graph, follows, ready, verdicts, verdicts_ready, finished in self.parts:
+        for graph, follows, ready, verdicts_ready, finished in self.parts:
             while waited < follows and next(arrivals, None) is not None:
                 waited += 1
             graph.replay()
-            verdicts_ready = verdicts_ready if VERDICT_EVENTS_IN_GRAPHS else None
-            if finishing is not None and finished is not None:
-                finishing.replay(ready, finished, verdicts_ready)
-            elif finishing is not None:
-                finishing.part(ready, verdicts, verdicts_ready)
+            if finishing is not None:  # (captured with its finishing: ``FINISH_BY_PART`` is in the key)
+                finishing.replay(ready, finished, verdicts_ready if VERDICT_EVENTS_IN_GRAPHS else None)
             if report:
                 report(ready)
         for _ in arrivals:
