@@ -229,6 +229,39 @@ def test_tridiagonal_eigensolver_matches_numpy(m):
         assert np.abs(projector - expected)[wide].max() < 1e3 * tolerance
 
 
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+def test_the_approximate_reciprocal_gives_the_eigenvalues_and_projectors_of_ieee_division(monkeypatch,
+                                                                                          dtype_name):
+    """``tridiagonal.APPROXIMATE_RECIPROCAL`` (inline PTX, so only here on the device): the eigenvalues of
+    IEEE's division to a few roundings of the largest and LAPACK's to the precision's, the projectors of
+    IEEE's division, for one launch, a counted launch (a settling pass's) and several shifts per count."""
+    import torch
+
+    from mppca_nipype.engine.gpu import tridiagonal
+
+    dtype, m = getattr(torch, dtype_name), 48
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((300, m, 1331)) * 4
+    a[:, :5, :] += rng.standard_normal((300, 5, 1)) * 60  # a seed-like patch: five signal components
+    matrices = a @ a.transpose(0, 2, 1)
+    want = np.linalg.eigvalsh(matrices)
+    ranks = torch.tensor(rng.choice([0, 5], size=300), device="cuda")  # cuts at the wide gaps
+    eps = torch.finfo(dtype).eps
+    for settings in (dict(), dict(count=torch.tensor(200, device="cuda")), dict(shifts=2)):
+        results = []
+        for approximate in (False, True):
+            monkeypatch.setattr(tridiagonal, "APPROXIMATE_RECIPROCAL", approximate)
+            solver = tridiagonal.TridiagonalEigh("cuda", shifts=settings.get("shifts"))
+            values, _ = solver.values(torch.tensor(matrices, dtype=dtype, device="cuda"), count=settings.get("count"))
+            results.append((values.double().cpu().numpy(), solver.projector(ranks).double().cpu().numpy()))
+        (values, projector), (fast_values, fast_projector) = results
+        solved = slice(0, 200 if "count" in settings else 300)
+        scale = np.abs(want).max()
+        assert np.abs(fast_values - values)[solved].max() <= 4 * eps * scale, settings
+        assert np.abs(fast_values - want)[solved].max() <= 8 * m * eps * scale, settings
+        assert np.abs(fast_projector - projector)[solved].max() <= 100 * m * eps, settings
+
+
 @pytest.mark.parametrize("options", [dict(extent=5, stride=2, demean="volume"),
                                      dict(extent=5, stride=1, aggregation="center", demean="none")])
 def test_pipeline_with_the_tridiagonal_eigensolver_matches_cpu(options):

@@ -757,6 +757,39 @@ def undemeaned_patch_grams(rng, count, n, m):
 
 
 @interpreted
+@pytest.mark.parametrize("shifts", [2, 4])
+@pytest.mark.parametrize("m, dtype, rank_one", [(21, torch.float32, False), (33, torch.float64, False),
+                                                (21, torch.float32, True)])
+def test_several_shifts_per_sturm_count_give_the_bisections_eigenvalues(shifts, m, dtype, rank_one):
+    """``shifts`` shifts per eigenvalue and count (fewer counts): on random, clustered and rank-deficient
+    matrices (and with a rank-one term) the eigenvalues of one shift a count to a rounding, LAPACK's to the
+    precision's, in ascending order; and the projectors that follow them are those of one shift a count."""
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+
+    rng = np.random.default_rng(m + shifts)
+    eps = torch.finfo(dtype).eps
+    for kind in ("undemeaned",) if rank_one else ("random", "clustered", "rank-deficient"):
+        if rank_one:
+            _, matrices, direction, weight = undemeaned_patch_grams(rng, 3, 40, m)
+            ranks, exact = [1, 3, 4], None
+            extra = dict(rank_one=(torch.from_numpy(direction), torch.from_numpy(weight)))
+        else:
+            matrices, ranks = symmetric_test_matrices(kind, 3, m, rng)
+            extra, exact = {}, np.linalg.eigvalsh(matrices)
+        results = []
+        for each in (1, shifts):
+            solver = TridiagonalEigh("cpu", shifts=each)
+            values, info = solver.values(torch.from_numpy(matrices).to(dtype).clone(), **extra)
+            results.append((values.double().numpy(), solver.projector(torch.tensor(ranks)).double().numpy()))
+        (one, projector_one), (several, projector_several) = results
+        scale = np.abs(one).max(axis=1, keepdims=True)
+        assert np.abs(several - one).max(axis=1, keepdims=True).max() <= 2 * eps * scale.max(), kind
+        assert (np.diff(several, axis=1) >= 0).all()
+        if exact is not None:
+            assert np.abs(several - exact).max() <= 8 * m * eps * scale.max()
+        np.testing.assert_allclose(projector_several, projector_one, rtol=0, atol=10 * m * eps)
+
+@interpreted
 @pytest.mark.parametrize("m", [16, 21])
 def test_tridiagonal_eigensolver_takes_a_rank_one_term_apart(m):
     """Eigenvalues of A + rho w w^T with rho ~1e8 times A's noise eigenvalues: in float32 the small ones
@@ -1030,6 +1063,24 @@ def test_the_switch_interval_is_short_within_and_restored_after_the_last_overlap
             assert sys.getswitchinterval() == pytest.approx(1e-6)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_the_upload_rounds_take_their_shares_of_the_rows(monkeypatch):
+    """Equal rounds by default; with ``STAGE_SHARES`` each round its share, the last to the end; shares that
+    do not match the rounds or do not add up to 1 are refused."""
+    from mppca_nipype.engine.gpu import upload
+
+    monkeypatch.setattr(upload, "STAGE_ROUNDS", 3)
+    assert upload.round_bounds(1200).tolist() == [0, 400, 800, 1200]
+    monkeypatch.setattr(upload, "STAGE_SHARES", (0.45, 0.4, 0.15))
+    assert upload.round_bounds(1000).tolist() == [0, 450, 850, 1000]
+    assert upload.round_bounds(7).tolist() == [0, 3, 6, 7]
+    monkeypatch.setattr(upload, "STAGE_SHARES", (0.5, 0.5))
+    with pytest.raises(ValueError, match="3 shares"):
+        upload.round_bounds(1000)
+    monkeypatch.setattr(upload, "STAGE_SHARES", (0.5, 0.4, 0.2))
+    with pytest.raises(ValueError, match="add up to 1"):
+        upload.round_bounds(1000)
 
 
 def test_the_box_sums_geometry_is_kept_per_geometry_and_slab_and_the_cache_stays_small(monkeypatch):

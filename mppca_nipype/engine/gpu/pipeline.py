@@ -1035,6 +1035,8 @@ def _first_pass_settings():
     return (FUSED_THRESHOLD, FINISH_BY_PART, FINAL_PIECES, SETTLE_SLACK, TRIDIAGONAL_SETTLE_SLACK,
             tridiagonal.PROJECTOR_LANES,
             tridiagonal.INVERSE_ITERATIONS, tridiagonal.MULTISECTION, tridiagonal.SHRINKING_BLOCKS,
+            tuple(sorted((str(dtype), shifts) for dtype, shifts in tridiagonal.SHIFTS_PER_COUNT.items())),
+            tridiagonal.COUNTED_VALUES_LAUNCH, tridiagonal.COUNTED_LAUNCH_LIMIT, tridiagonal.APPROXIMATE_RECIPROCAL,
             tuple(sorted(boxsums.DOT_PRECISION.items())))
 
 

@@ -7,7 +7,8 @@ all the eigenvalues, then the projector onto the leading ``rank`` eigenvectors (
    halve as the trailing block shrinks (``SHRINKING_BLOCKS``); each u_k is written over row k of the input
    (it is no longer needed) from its block's first column on, the diagonal d and sub-diagonal e beside it.
 2. Bisection on Sturm counts of T - x I (LDL^T pivots), all m eigenvalues at once (one lane each), from
-   Gershgorin's interval down to the precision's resolution: the eigenvalues come back ascending.
+   Gershgorin's interval down to the precision's resolution: the eigenvalues come back ascending. The
+   pivots' divisions are products with the hardware's reciprocal (``APPROXIMATE_RECIPROCAL``).
 
 ``projector`` kernel, once the estimator chose each matrix's rank P:
 
@@ -25,6 +26,9 @@ eigenvalue to ~eps ||A|| / gap, as LAPACK's.
 """
 
 from __future__ import annotations
+
+import math
+import os
 
 import torch
 import triton
@@ -56,6 +60,28 @@ MULTISECTION = True
 #: on the whole (BLOCK, BLOCK) block: at m = 48, 16 steps on 64 x 64, 16 on 32 x 32 and 14 on 16 x 16 (~45% of
 #: the elements' work).
 SHRINKING_BLOCKS = True
+#: Shifts per eigenvalue in each Sturm count of the bisection, by precision: with s of them a count splits
+#: the eigenvalue's interval in s + 1 (log2(s + 1) halvings) for s times a count's work. Pays only where
+#: more warps take the shifts and programs are few (``COUNTED_VALUES_LAUNCH``); measured on the H200
+#: (twelfth session, suite part t, IEEE division): 12,600 float32 48 x 48 matrices, values 1.38 / 1.70 /
+#: 1.74 ms with 1 / 2 / 4 shifts; 437 float64 0.54 / 0.51 / 0.60.
+SHIFTS_PER_COUNT = {torch.float32: 1, torch.float64: 1}
+#: (warps, shifts per count) of the values kernel where a count limits a launch sized for at most
+#: ``COUNTED_LAUNCH_LIMIT`` matrices (a settling pass: a few hundred of them, each program's latency the
+#: limit, not the device's throughput), or None: as other launches. Measured on the H200 (twelfth session,
+#: suite part t; float64, 150 of a launch sized for 4,200, approximate reciprocal): values 0.32 ms with
+#: (2, 1), 0.21 with (4, 2); on 437 alone (2, 1) stays faster (0.30 vs 0.37), on 12,600 by far.
+COUNTED_VALUES_LAUNCH = (4, 2)
+COUNTED_LAUNCH_LIMIT = 16_384
+#: The divisions of the Sturm counts and of the inverse iteration's solves by the hardware's approximate
+#: reciprocal (float64: two Newton steps after it) instead of IEEE's division, whose float64 form is a long
+#: sequence of instructions (``_reciprocal``). Compiled kernels only: under the interpreter (TRITON_INTERPRET=1,
+#: no inline PTX) the division stays. Measured on the H200 (twelfth session, suite part t, 48 x 48): values
+#: of 12,600 float32 matrices 1.42 -> 1.16 ms, float64 9.9 -> 5.9 ms, 150 float64 ones 0.44 -> 0.27 ms, the
+#: same errors against XsyevBatched (7.4e-7 and 1.5e-15 of the largest eigenvalue); the seed's problem
+#: (part k, same run) 9.57 -> 9.09 ms. A Sturm count was bound by issuing float64 division's instructions, not
+#: by its latency: 2 shifts a count on the same warps made it slower.
+APPROXIMATE_RECIPROCAL = True
 
 
 def _bisections(dtype) -> int:
@@ -63,8 +89,18 @@ def _bisections(dtype) -> int:
     return 4 + {torch.float32: 23, torch.float64: 52}[dtype]  # + the mantissa's bits
 
 
+def _approximate() -> bool:
+    """Whether the kernels divide by ``_reciprocal``'s approximation (``APPROXIMATE_RECIPROCAL``, compiled)."""
+    return APPROXIMATE_RECIPROCAL and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def _log2_floor(n):
     return n.bit_length() - 1
+
+
+def _counts(halvings: int, shifts: int) -> int:
+    """Sturm counts with ``shifts`` shifts per eigenvalue that narrow an interval as ``halvings`` halvings."""
+    return halvings if shifts == 1 else math.ceil(halvings / math.log2(shifts + 1))
 
 
 def _householder_phases(m: int) -> int:
@@ -148,15 +184,33 @@ def _trailing_phase(a_ptr, d_ptr, e_ptr, matrix, m: tl.constexpr, SIZE: tl.const
 
 
 @triton.jit
-def _count_below(d_ptr, e_ptr, matrix, shift, pivot_floor, m: tl.constexpr, BLOCK: tl.constexpr):
-    """Sturm counts: how many eigenvalues of the tridiagonal (d, e) of ``matrix`` lie below each lane's
-    ``shift`` (the negative pivots of the LDL^T factors of T - shift I)."""
-    below = tl.zeros((BLOCK,), dtype=tl.int32)
+def _reciprocal(x, APPROXIMATE: tl.constexpr):
+    """1 / x: IEEE's division, or with ``APPROXIMATE`` (compiled kernels only: inline PTX) the hardware's
+    reciprocal (float32: within an ulp), in float64 refined by two Newton steps to a rounding (x normal)."""
+    if APPROXIMATE:
+        if x.dtype == tl.float64:
+            r = tl.inline_asm_elementwise("rcp.approx.ftz.f64 $0, $1;", "=d,d", [x], dtype=tl.float64,
+                                          is_pure=True, pack=1)
+            r = r + r * (1.0 - x * r)
+            r = r + r * (1.0 - x * r)
+        else:
+            r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+    else:
+        r = 1.0 / x
+    return r
+
+
+@triton.jit
+def _count_below(d_ptr, e_ptr, matrix, shift, pivot_floor, m: tl.constexpr, APPROXIMATE: tl.constexpr):
+    """Sturm counts: how many eigenvalues of the tridiagonal (d, e) of ``matrix`` lie below each of the
+    ``shift`` tensor's numbers (the negative pivots of the LDL^T factors of T - shift I; ``_reciprocal``)."""
+    below = tl.zeros(shift.shape, dtype=tl.int32)
     pivot = tl.zeros_like(shift) + 1.0
     for i in range(0, m):
         d_i = tl.load(d_ptr + matrix * m + i)
         e_i = tl.load(e_ptr + matrix * m + i)
-        pivot = d_i - shift - e_i * e_i / pivot
+        pivot = d_i - shift - e_i * e_i * _reciprocal(pivot, APPROXIMATE)
         pivot = tl.where(tl.abs(pivot) < pivot_floor, -pivot_floor, pivot)
         below += (pivot < 0).to(tl.int32)
     return below
@@ -165,7 +219,8 @@ def _count_below(d_ptr, e_ptr, matrix, shift, pivot_floor, m: tl.constexpr, BLOC
 @triton.jit
 def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, count_ptr, m: tl.constexpr,
                    BLOCK: tl.constexpr, FP64: tl.constexpr, BISECTIONS: tl.constexpr, RANK_ONE: tl.constexpr,
-                   COUNTED: tl.constexpr, MULTISECTION: tl.constexpr = False, PHASES: tl.constexpr = 1):
+                   COUNTED: tl.constexpr, MULTISECTION: tl.constexpr = False, PHASES: tl.constexpr = 1,
+                   SHIFTS: tl.constexpr = 1, APPROXIMATE: tl.constexpr = False):
     matrix = tl.program_id(0).to(tl.int64)
     if COUNTED:  # only the first *count_ptr matrices are asked for
         if matrix >= tl.load(count_ptr):
@@ -225,23 +280,35 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, c
         # bracketed by the two shifts around it: as narrow as log2(BLOCK + 1) halvings would leave it
         width = (high - low) / (BLOCK + 1)
         shifts = low + (rows + 1).to(dtype) * width
-        counts = _count_below(d_ptr, e_ptr, matrix, shifts, pivot_floor, m, BLOCK)
+        counts = _count_below(d_ptr, e_ptr, matrix, shifts, pivot_floor, m, APPROXIMATE)
         at_or_below = counts[None, :] <= rows[:, None]  # shift j lies at or below eigenvalue i
         lower = tl.max(tl.where(at_or_below, shifts[None, :], low), axis=1)
         upper = tl.min(tl.where(at_or_below, high, shifts[None, :]), axis=1)
-    for _ in range(BISECTIONS):  # (after the multisection: as many fewer as it stood for)
-        middle = 0.5 * (lower + upper)
-        below_middle = _count_below(d_ptr, e_ptr, matrix, middle, pivot_floor, m, BLOCK)
-        to_left = below_middle > rows
-        upper = tl.where(to_left, middle, upper)
-        lower = tl.where(to_left, lower, middle)
+    if SHIFTS == 1:
+        for _ in range(BISECTIONS):  # (after the multisection: as many fewer as it stood for)
+            middle = 0.5 * (lower + upper)
+            below_middle = _count_below(d_ptr, e_ptr, matrix, middle, pivot_floor, m, APPROXIMATE)
+            to_left = below_middle > rows
+            upper = tl.where(to_left, middle, upper)
+            lower = tl.where(to_left, lower, middle)
+    else:
+        # SHIFTS shifts per lane, evenly inside its interval: each of the ``BISECTIONS`` counts leaves one of
+        # SHIFTS + 1 sub-intervals (log2(SHIFTS + 1) halvings) for SHIFTS times a count's work (names of
+        # their own: the multisection's are not of these shapes)
+        fractions = (tl.arange(0, SHIFTS) + 1).to(dtype) / (SHIFTS + 1)
+        for _ in range(BISECTIONS):
+            trial = lower[:, None] + (upper - lower)[:, None] * fractions[None, :]
+            below_trial = _count_below(d_ptr, e_ptr, matrix, trial, pivot_floor, m, APPROXIMATE)
+            reached = below_trial <= rows[:, None]  # the trial shift lies at or below the lane's eigenvalue
+            lower = tl.maximum(lower, tl.max(tl.where(reached, trial, lower[:, None]), axis=1))
+            upper = tl.minimum(upper, tl.min(tl.where(reached, upper[:, None], trial), axis=1))
     tl.store(values_ptr + matrix * m + rows, (0.5 * (lower + upper)).to(values_ptr.dtype.element_ty),
              mask=rows < m)
 
 
 @triton.jit
 def _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, lanes,
-                   m: tl.constexpr, LANES: tl.constexpr, FIRST: tl.constexpr):
+                   m: tl.constexpr, LANES: tl.constexpr, FIRST: tl.constexpr, APPROXIMATE: tl.constexpr):
     """(T - shift_j I) y_j = b_j for every lane j at once (LU without pivoting). The right sides are the
     rows of ``work`` (row i holds b_i of every lane), or all ones with ``FIRST``; the solutions replace them.
     Row i of the second half of ``work`` keeps the factor's c'_i between the two sweeps."""
@@ -258,8 +325,9 @@ def _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, lanes,
             b_i = tl.load(base + i * LANES + lanes)
         pivot = d_i - shift - e_i * c_prev
         pivot = tl.where(tl.abs(pivot) < pivot_floor, tl.where(pivot < 0, -pivot_floor, pivot_floor), pivot)
-        c_prev = e_next / pivot
-        y_prev = (b_i - e_i * y_prev) / pivot
+        inverse = _reciprocal(pivot, APPROXIMATE)
+        c_prev = e_next * inverse
+        y_prev = (b_i - e_i * y_prev) * inverse
         tl.store(base + i * LANES + lanes, y_prev)
         tl.store(base + (m + i) * LANES + lanes, c_prev)
     y_next = tl.zeros((LANES,), dtype=shift.dtype)
@@ -288,7 +356,7 @@ def _orthonormal_columns(y, keep, rank, lanes, tiny, LANES: tl.constexpr):
 def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, projector_ptr, direction_ptr,
                       count_ptr, m: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr, FP64: tl.constexpr,
                       SOLVES: tl.constexpr, RANK_ONE: tl.constexpr, LOWEST_RANK: tl.constexpr,
-                      HIGHEST_RANK: tl.constexpr, COUNTED: tl.constexpr):
+                      HIGHEST_RANK: tl.constexpr, COUNTED: tl.constexpr, APPROXIMATE: tl.constexpr = False):
     """The projector of every matrix whose rank lies in [LOWEST_RANK, HIGHEST_RANK] (the others are left to
     another launch): lane j solves for eigenvalue m - LANES + j, so LANES >= HIGHEST_RANK lanes serve the
     top ranks (LANES = BLOCK serves every rank)."""
@@ -325,9 +393,11 @@ def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, proje
             for solve in range(0, SOLVES):
                 tl.debug_barrier()
                 if solve == 0:
-                    _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, lanes, m, LANES, True)
+                    _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, lanes, m, LANES, True,
+                                   APPROXIMATE)
                 else:
-                    _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, lanes, m, LANES, False)
+                    _solve_shifted(d_ptr, e_ptr, work_ptr, shift, pivot_floor, matrix, lanes, m, LANES, False,
+                                   APPROXIMATE)
                 tl.debug_barrier()
                 y = tl.load(base + r * LANES + lanes[None, :], mask=r < m, other=0.0)
                 y = _orthonormal_columns(tl.where(keep[None, :], y, 0.0), keep, rank, lanes, tiny, LANES)
@@ -359,10 +429,11 @@ class TridiagonalEigh:
 
     backend = "triton tridiagonal (Householder + bisection + inverse iteration)"
 
-    def __init__(self, device, warps=None, lanes=None):
+    def __init__(self, device, warps=None, lanes=None, shifts=None):
         self.device = torch.device(device)
         self.warps = warps  # warps per program (default ``_warps``; for benchmarks)
         self.lanes = lanes  # lanes of the low-rank projector launch (default ``PROJECTOR_LANES``)
+        self.shifts = shifts  # shifts per eigenvalue and Sturm count (default ``SHIFTS_PER_COUNT``)
         self._state = None
 
     def workspace_bytes(self, batch, m, dtype):
@@ -398,13 +469,18 @@ class TridiagonalEigh:
                 raise ValueError(f"rank_one must be ((B, m), (B,)) tensors for B={batch}, m={m}")
         # (not with a rank-one term: its lanes' intervals start at the matrix's scale, not at rho's)
         multisection = MULTISECTION and rank_one is None
-        bisections = _bisections(matrices.dtype) - (_log2_floor(_block(m) + 1) if multisection else 0)
+        warps, shifts = self.warps or _warps(m, matrices.dtype), self.shifts or SHIFTS_PER_COUNT[matrices.dtype]
+        if (count is not None and COUNTED_VALUES_LAUNCH is not None and batch <= COUNTED_LAUNCH_LIMIT
+                and not (self.warps or self.shifts)):
+            warps, shifts = COUNTED_VALUES_LAUNCH
+        bisections = _counts(_bisections(matrices.dtype) - (_log2_floor(_block(m) + 1) if multisection else 0),
+                             shifts)
         if batch:
             _values_kernel[(batch,)](matrices, d, e, values, direction, weight, d if count is None else count, m,
                                      BLOCK=_block(m), FP64=fp64, BISECTIONS=bisections,
                                      RANK_ONE=rank_one is not None, COUNTED=count is not None,
-                                     MULTISECTION=multisection, PHASES=_householder_phases(m),
-                                     num_warps=self.warps or _warps(m, matrices.dtype))
+                                     MULTISECTION=multisection, PHASES=_householder_phases(m), SHIFTS=shifts,
+                                     APPROXIMATE=_approximate(), num_warps=warps)
         self._state = (matrices, d, e, values, direction if rank_one is not None else None, count)
         return values, torch.zeros(batch, dtype=torch.int32, device=matrices.device)
 
@@ -425,5 +501,6 @@ class TridiagonalEigh:
                                         BLOCK=_block(m), LANES=launch_lanes, FP64=matrices.dtype == torch.float64,
                                         SOLVES=INVERSE_ITERATIONS, RANK_ONE=direction is not None,
                                         LOWEST_RANK=lowest, HIGHEST_RANK=highest, COUNTED=count is not None,
+                                        APPROXIMATE=_approximate(),
                                         num_warps=self.warps or _warps(m, matrices.dtype))
         return out

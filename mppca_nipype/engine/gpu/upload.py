@@ -45,10 +45,11 @@ STAGE_THREADS = 8
 #: 12.0 / 12.1 / 11.3 / 11.2 ms in 2 / 3 / 4 / 6 rounds (call 2), 11.5 / 11.6 / 11.7 / 13.1 in 3 / 4 / 6 / 8
 #: (call 3): the device, not the host, is the limit there; 3 rounds keep each part large.
 STAGE_ROUNDS = 3
-#: The first round's share of the rows (the rest in equal rounds), or None: all rounds equal. A small first
-#: round reaches the device sooner and the first pass starts on it; measured (eleventh session, part k, 5
-#: blocks): 10% or 15% in 3 or 4 rounds 9.66-9.88 ms against 9.77 for 3 equal rounds, within the noise.
-STAGE_FIRST_SHARE = None
+#: Each round's share of the rows (``STAGE_ROUNDS`` numbers that add up to 1), or None: all rounds equal. A
+#: small first round reaches the device sooner and the first pass starts on it; measured (eleventh session,
+#: part k, 5 blocks): a first round of 10% or 15% in 3 or 4 rounds 9.66-9.88 ms against 9.77 for 3 equal
+#: rounds, within the noise. A small last round leaves less to finish after the first pass's last part.
+STAGE_SHARES = None
 
 #: The interpreter's thread switch interval (seconds) while a run's helper threads work
 #: (``switching_often``). At Python's default of 5 ms, a helper that needs the GIL while the caller's
@@ -166,13 +167,16 @@ class _Countdown:
 
 
 def round_bounds(n_elements) -> np.ndarray:
-    """Where the ``STAGE_ROUNDS`` rounds of an upload of ``n_elements`` begin and end (in elements; the
-    first ``STAGE_FIRST_SHARE`` of them, if set)."""
+    """Where the ``STAGE_ROUNDS`` rounds of an upload of ``n_elements`` begin and end (in elements; in the
+    ``STAGE_SHARES``, if set)."""
     rounds = max(1, STAGE_ROUNDS)
-    if STAGE_FIRST_SHARE is None or rounds == 1:
+    if STAGE_SHARES is None or rounds == 1:
         return np.linspace(0, n_elements, rounds + 1).astype(np.int64)
-    first = int(n_elements * STAGE_FIRST_SHARE)
-    return np.concatenate(([0], np.linspace(first, n_elements, rounds).astype(np.int64)))
+    if len(STAGE_SHARES) != rounds or abs(sum(STAGE_SHARES) - 1) > 1e-9:
+        raise ValueError(f"STAGE_SHARES must be {rounds} shares that add up to 1, not {STAGE_SHARES}")
+    bounds = np.round(np.cumsum((0.0,) + tuple(STAGE_SHARES)) * n_elements).astype(np.int64)
+    bounds[-1] = n_elements
+    return bounds
 
 
 class StagedSeries:
