@@ -106,6 +106,20 @@ def best_of(run, repeats=5, warmup=1):
     return min(times), result, torch.cuda.max_memory_allocated()
 
 
+def best_on_copies(work, run, repeats):
+    """Best time (ms) of ``run(copy)`` on fresh copies of ``work`` (the kernels overwrite their input), the
+    first left out; and the last result."""
+    copies = [work.clone() for _ in range(repeats)]
+    times = []
+    for copy in copies:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = run(copy)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return min(times[1:]) * 1e3, result
+
+
 def errors(denoised, reference, truth):
     d, r = denoised.astype(np.float64), reference.astype(np.float64)
     return dict(rel_to_float64=float(np.sqrt(np.mean((d - r) ** 2) / np.mean(r**2))),
@@ -461,9 +475,17 @@ def seed_quick(rows, blocks=3, only=()):
                  for rounds in (2, 4, 6)]
     variants += [(f"ours, staged by {threads} threads", dict(), {(upload, "STAGE_THREADS"): threads})
                  for threads in (12, 16)]
-    variants += [(f"ours, staged in {rounds} rounds, the first {share:.0%} of the rows", dict(),
-                  {(upload, "STAGE_ROUNDS"): rounds, (upload, "STAGE_FIRST_SHARE"): share})
-                 for rounds, share in ((3, 0.15), (4, 0.15), (4, 0.1))]
+    variants += [(f"ours, staged in shares {'/'.join(f'{share:.0%}' for share in shares)}", dict(),
+                  {(upload, "STAGE_ROUNDS"): len(shares), (upload, "STAGE_SHARES"): shares})
+                 for shares in ((0.15, 0.425, 0.425), (0.15, 0.85 / 3, 0.85 / 3, 0.85 / 3), (0.4, 0.4, 0.2),
+                                (0.45, 0.4, 0.15), (0.3, 0.3, 0.25, 0.15))]
+    variants += [(f"ours, {shifts} shifts per Sturm count in {str(dtype)[6:]}", dict(),
+                  {(tridiagonal, "SHIFTS_PER_COUNT"): {**tridiagonal.SHIFTS_PER_COUNT, dtype: shifts}})
+                 for dtype, shifts in ((torch.float32, 2), (torch.float64, 4))]
+    variants += [("ours, IEEE's division in the tridiagonal kernels", dict(),
+                  {(tridiagonal, "APPROXIMATE_RECIPROCAL"): False})]
+    variants += [("ours, counted launches (settling passes) as the others (2 warps, 1 shift a count)", dict(),
+                  {(tridiagonal, "COUNTED_VALUES_LAUNCH"): None})]
 
     variants = [variant for variant in variants if not only or any(word in variant[0] for word in only)]
     best = {}
@@ -767,16 +789,8 @@ def tridiagonal_warps(count=12_600):
         own_warps = tridiagonal._warps(m, dtype)
         d, e, v = (torch.empty((batch, m), device="cuda", dtype=dtype) for _ in range(3))
 
-        def best(run, repeats=7):
-            copies = [work.clone() for _ in range(repeats)]
-            times = []
-            for copy in copies:
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                result = run(copy)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - started)
-            return min(times[1:]) * 1e3, result
+        def best(run):
+            return best_on_copies(work, run, repeats=7)
 
         for shrinking, warps in ((False, own_warps), (True, own_warps), (True, 2 * own_warps)):
             default, tridiagonal.SHRINKING_BLOCKS = tridiagonal.SHRINKING_BLOCKS, shrinking
@@ -798,6 +812,65 @@ def tridiagonal_warps(count=12_600):
             rows.append(row)
             print(row, flush=True)
         del matrices, work, projector64
+        torch.cuda.empty_cache()
+    return rows
+
+
+def shifts_per_count():
+    """(t) issue 5: the tridiagonal kernels on seed-like Gram matrices of 48 x 48, by warps, shifts per
+    eigenvalue and Sturm count (``tridiagonal.SHIFTS_PER_COUNT``) and division (IEEE's, or the approximate
+    reciprocal: ``tridiagonal.APPROXIMATE_RECIPROCAL``): float32, 12,600 (the first pass); float64, 437 and
+    150 (a settling pass's, alone and as the first 150 of a launch sized for 4,200 windows, as the pipeline
+    launches it) and 12,600. Values (Householder + bisection), Householder alone, the projector (rank 5);
+    each checked against float64 XsyevBatched (largest eigenvalue error over the largest eigenvalue,
+    largest projector deviation)."""
+    from mppca_nipype.engine.gpu import tridiagonal
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh, _block, _householder_phases, _values_kernel
+
+    xsyev, rows, m = BatchedEigh("cuda"), [], 48
+    ieee, fast = False, True
+    for dtype, batch, launched, variants in (
+            (torch.float32, 12_600, 12_600, ((1, 1, ieee), (1, 1, fast))),
+            (torch.float64, 437, 437, ((2, 1, ieee), (2, 1, fast), (2, 2, fast), (4, 2, fast))),
+            (torch.float64, 150, 150, ((2, 1, ieee), (2, 1, fast), (4, 1, fast), (4, 2, ieee), (4, 2, fast),
+                                       (8, 4, fast))),
+            (torch.float64, 150, 4_200, ((2, 1, ieee), (2, 1, fast), (4, 2, ieee), (4, 2, fast))),
+            (torch.float64, 12_600, 12_600, ((2, 1, ieee), (2, 1, fast)))):
+        matrices, n, _ = gram_batch("patches", batch, m)
+        values64, _ = xsyev.values(matrices.clone())
+        rank = torch.full((launched,), 5, dtype=torch.int32, device="cuda")
+        projector64 = xsyev.projector(rank[:batch])
+        work = torch.zeros((launched, m, m), device="cuda", dtype=dtype)
+        work[:batch] = matrices.to(dtype)
+        count = torch.tensor(batch, device="cuda") if launched > batch else None
+        d, e, v = (torch.empty((launched, m), device="cuda", dtype=dtype) for _ in range(3))
+
+        def best(run):
+            return best_on_copies(work, run, repeats=9)
+
+        householder = {}
+        for warps, shifts, approximate in variants:
+            if warps not in householder:
+                householder[warps], _ = best(lambda a: _values_kernel[(launched,)](
+                    a, d, e, v, d, d, d if count is None else count, m, BLOCK=_block(m),
+                    FP64=dtype == torch.float64, BISECTIONS=0, RANK_ONE=False, COUNTED=count is not None,
+                    PHASES=_householder_phases(m), num_warps=warps))
+            default, tridiagonal.APPROXIMATE_RECIPROCAL = tridiagonal.APPROXIMATE_RECIPROCAL, approximate
+            try:
+                solver = TridiagonalEigh("cuda", warps=warps, shifts=shifts)
+                values_ms, values = best(lambda a: solver.values(a, count=count)[0])
+                projector_ms, projector = best(lambda _: solver.projector(rank))
+            finally:
+                tridiagonal.APPROXIMATE_RECIPROCAL = default
+            row = dict(dtype=str(dtype).replace("torch.", ""), batch=batch, launched=launched, warps=warps,
+                       shifts=shifts, approximate_reciprocal=approximate, values_ms=values_ms,
+                       householder_alone_ms=householder[warps], projector_ms=projector_ms,
+                       values_err=float(((values[:batch].double() - values64).abs().amax(1)
+                                         / values64[:, -1]).max()),
+                       projector_err=float((projector[:batch].double() - projector64).abs().amax()))
+            rows.append(row)
+            print(row, flush=True)
+        del matrices, work
         torch.cuda.empty_cache()
     return rows
 
@@ -1367,7 +1440,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="(c) at the issue's full sizes (minutes)")
     parser.add_argument("--skip-torch-eigh", action="store_true", help="leave out the 10-second step")
     parser.add_argument("--only", default="abcdev",
-                        help="which parts to run: any of a, b, c, e, v, s, 5, k, p, r, w, q, g, h, u, o, x")
+                        help="which parts to run: any of a, b, c, e, v, s, 5, k, p, r, w, t, q, g, h, u, o, x")
     parser.add_argument("--k-variants", default="",
                         help="(k) only the variants whose names contain one of these comma-separated words")
     parser.add_argument("--k-blocks", type=int, default=3, help="(k) interleaved blocks of best-of-7 runs")
@@ -1409,6 +1482,7 @@ def main():
     part("a", lambda: seed_ladder(rows, args.skip_torch_eigh))
     part("b", lambda: dwidenoise_mode(rows))
     part("w", tridiagonal_warps, "tridiagonal_warps")
+    part("t", shifts_per_count, "shifts_per_count")
     part("q", seed_settling, "seed_settling")
     part("g", lambda: dot_precisions(rows), "dot_precisions")
     part("h", host_pieces, "host_pieces")
