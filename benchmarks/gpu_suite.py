@@ -221,10 +221,13 @@ def eigen_step(count=12_600):
     """Issue 5's micro-benchmark: the eigen step (eigenvalues, the estimator's rank, the projector) on
     ``count`` Gram matrices per T, each variant timed (best of 5) and checked against XsyevBatched in
     float64: rank P as decided by the exp2 estimator (share of equal ranks) and the projector's largest
-    deviation; the checks also on clustered and rank-deficient matrices at T = 48 (at fixed ranks)."""
+    deviation; the checks also on clustered and rank-deficient matrices at T = 48 (at fixed ranks). The
+    variants: XsyevBatched, the tridiagonal kernels the engine keeps, and issue 5's two alternatives it does
+    not keep (the Newton-Schulz projector, the Jacobi kernel of ``benchmarks/jacobi.py``, T <= 64)."""
+    from jacobi import SWEEPS as JACOBI_SWEEPS, JacobiEigh  # (benchmarks/jacobi.py: not in the engine)
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
-    xsyev, tridiagonal = BatchedEigh("cuda"), TridiagonalEigh("cuda")
+    xsyev, tridiagonal, jacobi = BatchedEigh("cuda"), TridiagonalEigh("cuda"), JacobiEigh("cuda")
 
     def threshold(values, n, m):
         """The exp2 estimator's rank; for the clustered and rank-deficient kinds, where float32 cannot
@@ -256,10 +259,18 @@ def eigen_step(count=12_600):
                 return values, rank, newton_schulz_projector(work, values, rank, iterations)
             return step
 
-        return {"XsyevBatched (values + vectors) + projector": xsyev_step,
-                "XsyevBatched, eigenvalues only": xsyev_values_only,
-                "tridiagonal: values, then projector by inverse iteration": tridiagonal_step,
-                "tridiagonal values + Newton-Schulz projector, 30 steps": newton_schulz(30)}
+        def jacobi_step():
+            values, info = jacobi.values(work)
+            rank = threshold(values, n, m)
+            return values, rank, jacobi.projector(rank)
+
+        steps = {"XsyevBatched (values + vectors) + projector": xsyev_step,
+                 "XsyevBatched, eigenvalues only": xsyev_values_only,
+                 "tridiagonal: values, then projector by inverse iteration": tridiagonal_step,
+                 "tridiagonal values + Newton-Schulz projector, 30 steps": newton_schulz(30)}
+        if m <= 64:  # (at 96 and 128: a 128 x 128 block, ~16x the products of 64; by estimate ~10 s a run)
+            steps[f"Jacobi, parallel order, {JACOBI_SWEEPS} sweeps: values, vectors, V_P V_P^T"] = jacobi_step
+        return steps
 
     results = []
     for kind, sizes in (("patches", (32, 48, 64, 96, 128)), ("wishart", (48,)), ("clustered", (48,)),
