@@ -48,7 +48,9 @@ STAGE_ROUNDS = 3
 #: Each round's share of the rows (``STAGE_ROUNDS`` numbers that add up to 1), or None: all rounds equal. A
 #: small first round reaches the device sooner and the first pass starts on it; measured (eleventh session,
 #: part k, 5 blocks): a first round of 10% or 15% in 3 or 4 rounds 9.66-9.88 ms against 9.77 for 3 equal
-#: rounds, within the noise. A small last round leaves less to finish after the first pass's last part.
+#: rounds, within the noise; twelfth session: a small last round slower (40/40/20%: 9.77 ms, 45/40/15%:
+#: 9.94, against 9.67 in equal thirds), 15/28/28/28% in 4 rounds faster in both calls that tried it (9.41
+#: vs 9.67; 8.57 vs 8.90 ms): the next default to try, once the GPU tests have run on it.
 STAGE_SHARES = None
 
 #: The interpreter's thread switch interval (seconds) while a run's helper threads work
