@@ -449,7 +449,8 @@ class TridiagonalEigh:
         number added to d_0, so a huge rho (an undemeaned patch's mean, ``pipeline``) costs the other
         eigenvalues no precision: they come out to a rounding of ``matrices``' scale, not of rho's.
         ``count`` (a device integer tensor of one element): only the first ``count`` matrices are solved
-        (here and by ``projector``), the rest left unwritten."""
+        (here and by ``projector``), the rest left unwritten; such a launch takes ``COUNTED_VALUES_LAUNCH``'s
+        warps and shifts a count unless the solver was given its own."""
         if matrices.ndim != 3 or matrices.shape[1] != matrices.shape[2] or not matrices.is_contiguous():
             raise ValueError("matrices must be a contiguous (B, m, m) tensor")
         if matrices.dtype not in (torch.float32, torch.float64):
