@@ -120,6 +120,17 @@ def best_on_copies(work, run, repeats):
     return min(times[1:]) * 1e3, result
 
 
+def householder_alone(matrices, d, e, v, warps, count=None):
+    """The tridiagonal values kernel without its bisection (Householder's reduction alone) on the (B, m, m)
+    ``matrices``, d, e and v its (B, m) outputs; ``count``: a counted launch (the first ``count`` only)."""
+    from mppca_nipype.engine.gpu.tridiagonal import _block, _householder_phases, _values_kernel
+
+    batch, m = matrices.shape[0], matrices.shape[-1]
+    _values_kernel[(batch,)](matrices, d, e, v, d, d, d if count is None else count, m, BLOCK=_block(m),
+                             FP64=matrices.dtype == torch.float64, BISECTIONS=0, RANK_ONE=False,
+                             COUNTED=count is not None, PHASES=_householder_phases(m), num_warps=warps)
+
+
 def errors(denoised, reference, truth):
     d, r = denoised.astype(np.float64), reference.astype(np.float64)
     return dict(rel_to_float64=float(np.sqrt(np.mean((d - r) ** 2) / np.mean(r**2))),
@@ -786,7 +797,7 @@ def tridiagonal_warps(count=12_600):
     and the rest); each checked against float64 XsyevBatched (largest eigenvalue error over the largest
     eigenvalue, largest projector deviation)."""
     from mppca_nipype.engine.gpu import tridiagonal
-    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh, _block, _householder_phases, _values_kernel
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
     xsyev, rows = BatchedEigh("cuda"), []
     for m, dtype, batch in ((48, torch.float32, count), (64, torch.float32, count), (48, torch.float64, 1500),
@@ -809,9 +820,7 @@ def tridiagonal_warps(count=12_600):
                 solver = TridiagonalEigh("cuda", warps=warps)
                 values_ms, values = best(lambda a: solver.values(a)[0])
                 projector_ms, projector = best(lambda _: solver.projector(rank))
-                householder_ms, _ = best(lambda a: _values_kernel[(batch,)](
-                    a, d, e, v, d, d, d, m, BLOCK=_block(m), FP64=dtype == torch.float64, BISECTIONS=0,
-                    RANK_ONE=False, COUNTED=False, PHASES=_householder_phases(m), num_warps=warps))
+                householder_ms, _ = best(lambda a: householder_alone(a, d, e, v, warps))
             finally:
                 tridiagonal.SHRINKING_BLOCKS = default
             row = dict(m=m, dtype=str(dtype).replace("torch.", ""), batch=batch, warps=warps,
@@ -836,7 +845,7 @@ def shifts_per_count():
     each checked against float64 XsyevBatched (largest eigenvalue error over the largest eigenvalue,
     largest projector deviation)."""
     from mppca_nipype.engine.gpu import tridiagonal
-    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh, _block, _householder_phases, _values_kernel
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
     xsyev, rows, m = BatchedEigh("cuda"), [], 48
     ieee, fast = False, True
@@ -862,10 +871,7 @@ def shifts_per_count():
         householder = {}
         for warps, shifts, approximate in variants:
             if warps not in householder:
-                householder[warps], _ = best(lambda a: _values_kernel[(launched,)](
-                    a, d, e, v, d, d, d if count is None else count, m, BLOCK=_block(m),
-                    FP64=dtype == torch.float64, BISECTIONS=0, RANK_ONE=False, COUNTED=count is not None,
-                    PHASES=_householder_phases(m), num_warps=warps))
+                householder[warps], _ = best(lambda a: householder_alone(a, d, e, v, warps, count))
             default, tridiagonal.APPROXIMATE_RECIPROCAL = tridiagonal.APPROXIMATE_RECIPROCAL, approximate
             try:
                 solver = TridiagonalEigh("cuda", warps=warps, shifts=shifts)
