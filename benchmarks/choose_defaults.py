@@ -1,8 +1,9 @@
 """The sweep that chooses the engine's defaults: error to the truth and speed, on phantoms, on N cores.
 
-Issue 2 fixes the rule: the default extent, stride, aggregation and demeaning are those with the lowest error
-to the ground truth on phantoms among the settings that run at least 5x faster than MRtrix3's ``dwidenoise``
-on the same cores. This script measures every setting of
+The rule: the default extent, stride, aggregation and demeaning are those with the lowest error to the
+ground truth on phantoms among the settings that run at least 5x faster than MRtrix3's ``dwidenoise`` on the
+same cores (ours timed in this process, ``dwidenoise`` as the command a user runs, file to file). This script
+measures every setting of
 
     extent in {auto, 5, 7} x stride in {1, 2, 3} x aggregation in {weighted, uniform, center (stride 1)}
     x demean in {none, voxel, and any other mode the engine has}, estimator exp2,
@@ -19,22 +20,23 @@ Usage (from the repository root)::
     python benchmarks/choose_defaults.py --quick           # tiny phantoms: a smoke test
 
 Writes JSON to ``--out`` (default benchmarks/results/choose_defaults.json) and Markdown next to it
-(``.md``: the summary and one table per phantom); prints the recommendation and then the summary table,
-sorted by RMSE, last.
+(``.md``: the summary and one table per phantom), both stamped by ``harness.stamp()`` (commit, date,
+hardware, load average at start and end, versions, command); prints the recommendation and then the
+summary table, sorted by RMSE, last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import warnings
 
 import numpy as np
 
-from cpu_peers import (DIRTY, Dwidenoise, add_run_options, log, make_phantom, markdown_table, percent, run_ours,
-                       runs_label, score, start_run, timed, timing_note, warm_up_ours)
+from cpu_peers import (ENGINE_AGAINST_DWIDENOISE, Dwidenoise, NiftiPhantom, add_run_options, log, make_phantom,
+                       markdown_table, percent, run_ours, runs_label, score, start_run, timed, timing_note,
+                       warm_up_ours)
+import harness
 from mppca_nipype.engine.estimators import DEMEANING  # every mode the engine has (cpu_peers put it on the path)
 
 #: A setting qualifies as a default only if it is at least this many times faster than dwidenoise.
@@ -66,14 +68,14 @@ def distinct_extents(shape, n_volumes, extents=EXTENTS):
 
 def settings(extents, strides=STRIDES, aggregations=AGGREGATIONS, demeaning=DEMEANING, estimator="exp2"):
     """Every setting of the sweep as a dict of ``denoise`` options plus a display label for the extent."""
-    for label, extent, _ in extents:
+    for label, extent, resolved in extents:
         for stride in strides:
             for aggregation in aggregations:
                 if aggregation == "center" and stride != 1:
                     continue
                 for demean in demeaning:
                     yield dict(extent=extent, stride=stride, aggregation=aggregation, demean=demean,
-                               estimator=estimator, extent_label=label)
+                               estimator=estimator, extent_label=label, extent_resolved=list(resolved))
 
 
 def setting_key(setting) -> str:
@@ -103,7 +105,8 @@ def measure(setting, phantoms, references, args) -> dict:
     ratios = [e["rmse_vs_dwidenoise"] for e in per_phantom.values()]
     sigma_errors = [e["sigma_rms_rel"] for e in per_phantom.values() if e["sigma_rms_rel"] is not None]
     speedups = [e["speedup_vs_dwidenoise"] for e in per_phantom.values()]
-    return dict(setting={**options_of(setting), "extent_label": setting["extent_label"]},
+    return dict(setting={**options_of(setting), "extent_label": setting["extent_label"],
+                         "extent_resolved": setting["extent_resolved"]},
                 key=setting_key(setting), phantoms=per_phantom,
                 rmse_ratio_geomean=float(math.exp(np.mean(np.log(ratios)))),
                 sigma_rms_rel_mean=float(np.mean(sigma_errors)) if sigma_errors else None,
@@ -111,9 +114,11 @@ def measure(setting, phantoms, references, args) -> dict:
 
 
 def is_setting(row, options) -> bool:
-    """Whether a measured row is the setting ``options`` (extent "auto" matches its resolved label)."""
+    """Whether a measured row is the setting ``options``; extents match by the patch they resolve to (so
+    "wide" is the row of 7 when both give 7x7x7), given as ``options["extent_resolved"]``."""
     s = row["setting"]
-    return all(str(s[k]) == str(options[k]) for k in KEYS)
+    return (list(s["extent_resolved"]) == list(options["extent_resolved"])
+            and all(str(s[k]) == str(options[k]) for k in KEYS if k != "extent"))
 
 
 def choose(rows):
@@ -209,21 +214,16 @@ def recommendation(report) -> str:
                      f"({100 * (current_row['rmse_ratio_geomean'] / best['rmse_ratio_geomean'] - 1):+.2f}% "
                      f"against the recommendation), speed-up {current_row['speedup_min']:.2f}x "
                      f"({'fast' if current_row['fast'] else 'NOT fast enough'}).")
-    same = all(str(chosen[k]) == str(current[k]) for k in KEYS)
+    same = report.get("current_row") is not None and is_setting(report["current_row"], chosen)
     lines.append("Recommendation: " + ("keep the current defaults." if same else
                                        f"DEFAULTS = dict({', '.join(f'{k}={chosen[k]!r}' for k in KEYS)})."))
     return "\n".join(lines)
 
 
 def report_markdown(report, phantoms) -> str:
-    m = report["machine"]
     names = [p.name for p in phantoms]
-    out = [f"CPU: {m['cpu_model']} ({m['logical_cpus']} logical CPUs), {m['threads']} threads used (pinned "
-           f"to CPUs {m['pinned_cpus']}); load average at start "
-           f"{', '.join(f'{x:.2f}' for x in m['load_average_at_start'])}, at end "
-           f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}.",
-           f"Command: `{m['command']}` (commit {m['git_commit'] or 'unknown'}"
-           f"{DIRTY if m['package_modified'] else ''}; {report['timing']}).",
+    out = [harness.stamp_markdown(report["stamp"]), "",
+           f"{report['settings']['threads']} threads for ours and dwidenoise; {report['timing']}.",
            f"Phantoms: {report['phantom_shape']} voxels x {report['volumes']} volumes: "
            + "; ".join(f"{p.name}: {p.description}" for p in phantoms) + ".", "",
            "dwidenoise (float32, its defaults) in the same run:", "",
@@ -267,26 +267,31 @@ def main(argv=None):
     parser.add_argument("--demean", type=choices(str, DEMEANING), default=DEMEANING,
                         help=f"only these demeaning modes (default {','.join(DEMEANING)})")
     args = parser.parse_args(argv)
-    shape, volumes, machine = start_run(args, parser)
+    shape, volumes, run, run_settings = start_run(args, parser)
+    run_settings.update(extents=list(args.extents), strides=list(args.strides),
+                        aggregations=list(args.aggregations), demean=list(args.demean))
     phantoms = [make_phantom(spec.strip(), shape, volumes) for spec in args.phantoms.split(",")]
     warm_up_ours(args.threads)
 
     references = {}
     for phantom in phantoms:
-        try:
-            dwi = Dwidenoise(phantom, args.threads)
-        except RuntimeError as err:
-            raise SystemExit(f"choose_defaults.py times every setting against dwidenoise: {err}") from None
-        try:
-            (denoised, noise), seconds = timed(dwi.run, args.repeats, args.single_above)
-        finally:
-            dwi.close()
+        with NiftiPhantom(phantom) as files:
+            try:
+                dwi = Dwidenoise(files, args.threads)
+            except RuntimeError as err:
+                raise SystemExit(f"choose_defaults.py times every setting against dwidenoise: {err}") from None
+            _, seconds = timed(dwi.run, args.repeats, args.single_above)
+            denoised, noise = files.read(dwi.name)
         references[phantom.name] = dict(seconds=min(seconds), seconds_all=seconds, runs=runs_label(seconds),
                                         **score(phantom, denoised, noise))
         log(f"{phantom.name}: dwidenoise {references[phantom.name]['seconds']:.2f} s, "
             f"RMSE {references[phantom.name]['rmse_mask']:.3f}")
 
-    extents = distinct_extents(shape, volumes, args.extents)
+    current = {k: DEFAULTS.get(k, "auto") for k in KEYS}
+    current["extent_resolved"] = list(distinct_extents(shape, volumes, [current["extent"]])[0][2])
+    extents = [(label + (f" (= {current['extent']})" if list(resolved) == current["extent_resolved"]
+                         and extent != current["extent"] else ""), extent, resolved)
+               for label, extent, resolved in distinct_extents(shape, volumes, args.extents)]
     sweep = list(settings(extents, args.strides, args.aggregations, args.demean))
     if not sweep:
         parser.error("the filters leave no setting to measure")
@@ -300,25 +305,24 @@ def main(argv=None):
     winner_exp1 = measure({**winner["setting"], "estimator": "exp1"}, phantoms, references, args)
     log(f"winner {winner['key']}; with exp1: RMSE x{winner_exp1['rmse_ratio_geomean']:.4f}")
 
-    current = {k: DEFAULTS.get(k, "auto") for k in KEYS}
     current_row = next((r for r in rows if is_setting(r, current)), None)
-    report = dict(machine=machine, timing=timing_note(args.repeats, args.single_above),
+    report = dict(stamp=run, settings=run_settings,
+                  timing=f"wall time: {timing_note(args.repeats, args.single_above)}; {ENGINE_AGAINST_DWIDENOISE}",
                   phantom_shape="x".join(map(str, shape)), volumes=volumes,
                   phantoms=[p.summary() for p in phantoms], speedup_target=SPEEDUP_TARGET,
                   references=references, rows=rows, winner=winner, winner_exp1=winner_exp1, note=note,
-                  current_defaults=current, current_row=current_row,
-                  load_average_at_end=list(os.getloadavg()))
+                  current_defaults=current, current_row=current_row)
     report["recommendation"] = recommendation(report)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    harness.finish(run)
     details = "\n\n".join(f"Phantom {p.name}, every setting:\n\n" + phantom_detail_table(rows + [winner_exp1],
                                                                                          p.name)
                           for p in phantoms)
     markdown = report_markdown(report, phantoms)
-    args.out.with_suffix(".md").write_text(markdown + "\n" + details + "\n")
-    log(f"wrote {args.out} and {args.out.with_suffix('.md')}")
-    print(markdown)
+    footer = harness.load_note(run)
+    written = harness.write_result(args.out, report, markdown + "\n" + details + "\n\n" + footer)
+    log("wrote " + " and ".join(map(str, written)))
+    print(markdown + "\n" + footer)
 
 
 if __name__ == "__main__":

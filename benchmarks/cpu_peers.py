@@ -1,15 +1,21 @@
 """Our MP-PCA on the CPU against its peers, on phantoms with a known truth, in one run on the same cores.
 
-Peers: MRtrix3 ``dwidenoise`` (a subprocess on NIfTI files, float32 and ``-datatype float64``), DIPY's
-``mppca`` (our patch radius and its default), and patch-denoise's MP-PCA (when installed). Ours runs twice:
-its defaults (``denoise(noisy)``) and its dwidenoise mode (``stride=1, aggregation='center',
-demean='none', extent='auto'``).
+Peers: MRtrix3 ``dwidenoise`` (float32 and ``-datatype float64``), DIPY's ``mppca`` (our patch radius and its
+default), and patch-denoise's MP-PCA (when installed). Ours runs twice: its defaults and its dwidenoise mode
+(``--extent auto --stride 1 --aggregation center --demean none``).
 
-For each phantom and method: wall time (best of ``--repeats``, or a single run when the first run takes
-longer than ``--single-above`` seconds; the ``runs`` column says which), the speed-up over ``dwidenoise``
-(float32, its default) measured in the same run, the RMSE to the truth inside the head mask and over the whole
-image, and the error of the noise map against the true sigma (median and rms of sigma_hat / sigma - 1, inside
-the mask).
+Two wall times. Engine: the method called inside this process on the array (ours after a warm-up call,
+DIPY, patch-denoise). File to file: a new process reading the phantom written as NIfTI and writing the
+denoised series and the noise map, as a user runs it: ``mppca-denoise IN OUT --noise NOISE --device cpu
+--nprocs N`` (process start, imports, reading and writing included) and ``dwidenoise IN OUT -noise NOISE
+-nthreads N``. The speed-up over ``dwidenoise`` (float32, its default) compares file-to-file times; DIPY and
+patch-denoise, which are only called in-process, are compared by their engine time (marked †).
+
+Each time is the best of ``--repeats`` runs, or a single run when the first takes longer than
+``--single-above`` seconds (the ``runs`` column says which). Quality: the RMSE to the truth inside the mask
+and over the whole image, and the error of the noise map against the true sigma (median and rms of
+sigma_hat / sigma - 1, inside the mask). Every result carries ``harness.stamp()``: commit, date, hardware,
+load average at start and end, versions and the command.
 
 Usage (from the repository root)::
 
@@ -18,19 +24,16 @@ Usage (from the repository root)::
     python benchmarks/cpu_peers.py --skip-slow                 # without DIPY and patch-denoise
 
 Writes JSON to ``--out`` (default benchmarks/results/cpu_peers.json) and the Markdown tables next to it
-(same name, ``.md``); the tables are printed last. ``choose_defaults.py`` reuses the phantoms, scoring,
-timing and ``dwidenoise`` runner defined here.
+(same name, ``.md``); the tables are printed last. ``choose_defaults.py`` and ``quality.py`` reuse the
+phantoms, scoring, timing and ``dwidenoise`` runner defined here.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-import datetime
-import json
 import os
 from pathlib import Path
-import platform
 import shlex
 import shutil
 import subprocess
@@ -40,11 +43,13 @@ import time
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+import harness
+
+REPO = harness.REPO
 if str(REPO) not in sys.path:  # benchmark the package of this tree, installed or not
     sys.path.insert(0, str(REPO))
 
-#: The issue's reference problem: 64x64x40 voxels, 48 volumes, noise sigma 5.
+#: The reference problem: 64x64x40 voxels, 48 volumes, noise sigma 5.
 REFERENCE_SHAPE = (64, 64, 40)
 REFERENCE_VOLUMES = 48
 #: --quick: small enough that every peer (DIPY and patch-denoise included) finishes in seconds.
@@ -54,10 +59,7 @@ QUICK_VOLUMES = 24
 #: (which is sigma for Gaussian noise) is the same; "dwi:20" is a harder, more clinical SNR (b0 SNR ~50).
 DEFAULT_PHANTOMS = "lowrank:5,dwi:5,dwi:20"
 
-#: Said of a commit when the package's files differ from it.
-DIRTY = ", with uncommitted changes in mppca_nipype/"
-
-DWIDENOISE_MODE = dict(stride=1, aggregation="center", demean="none", extent="auto")
+DWIDENOISE_MODE = dict(extent="auto", stride=1, aggregation="center", demean="none")
 
 
 def log(message):
@@ -156,10 +158,14 @@ def timed(run, repeats: int, single_above: float):
 
 
 def timing_note(repeats: int, single_above: float) -> str:
-    runs = (f"best of {repeats} runs, a single run when the first took over {single_above:g} s"
-            if repeats > 1 else "a single run each")
-    return ("wall time: " + runs + "; ours in-process after one warm-up call, dwidenoise as a subprocess "
-            "including its NIfTI I/O")
+    """How each time was taken, in words: 'best of 3 runs, a single run when the first took over 20 s'."""
+    return (f"best of {repeats} runs, a single run when the first took over {single_above:g} s" if repeats > 1
+            else "a single run each")
+
+
+#: ``timing_note``'s sequel for the scripts that time ours in-process and dwidenoise as a new process.
+ENGINE_AGAINST_DWIDENOISE = ("ours in this process after one warm-up call; dwidenoise a new process, file to "
+                             "file (its time includes reading and writing NIfTI)")
 
 
 def runs_label(seconds) -> str:
@@ -176,47 +182,6 @@ def pin_to_cores(threads: int) -> list[int]:
     if len(chosen) < len(allowed):
         os.sched_setaffinity(0, chosen)
     return chosen
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(threads: int, pinned) -> dict:
-    """Hardware, versions and load: what a reader needs to judge the timings."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    versions = {}
-    for package in ("mppca-nipype", "numpy", "scipy", "torch", "dipy", "patch-denoise", "threadpoolctl"):
-        try:
-            versions[package] = version(package)
-        except PackageNotFoundError:
-            versions[package] = None
-    versions["dwidenoise"] = dwidenoise_version()
-    commit = _git("rev-parse", "HEAD")
-    dirty = _git("status", "--porcelain", "--", "mppca_nipype")
-    return dict(
-        cpu_model=cpu_model(), logical_cpus=os.cpu_count(), threads=threads, pinned_cpus=list(pinned),
-        load_average_at_start=list(os.getloadavg()), platform=platform.platform(),
-        python=platform.python_version(), versions=versions,
-        git_commit=commit, package_modified=bool(dirty) if dirty is not None else None,
-        command=" ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
-
-
-def _git(*args):
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 # -- the methods --------------------------------------------------------------------------------------------
@@ -237,37 +202,97 @@ def run_ours(phantom: Phantom, threads: int, **options):
     return result.denoised, result.sigma, result.info
 
 
-def dwidenoise_version():
-    exe = shutil.which("dwidenoise")
-    if exe is None:
-        return None
-    out = subprocess.run([exe, "-version"], capture_output=True, text=True)
-    first = (out.stdout or out.stderr).splitlines()
-    return first[0].strip("= ").strip() if first else "unknown"
+class NiftiPhantom:
+    """A phantom written once as uncompressed NIfTI in a temporary folder, for the methods run on files.
+
+    ``path(name)`` names a file there; ``read(name)`` loads the denoised series ``name.nii`` and the noise map
+    ``name_noise.nii`` that a method wrote. A context manager: the folder goes on exit.
+    """
+
+    def __init__(self, phantom: Phantom):
+        import nibabel as nib
+
+        self.folder = Path(tempfile.mkdtemp(prefix="mppca-bench-"))
+        self.input = self.folder / "noisy.nii"
+        nib.save(nib.Nifti1Image(np.asarray(phantom.noisy, dtype=np.float32), np.eye(4)), self.input)
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def read(self, name: str):
+        """(denoised, noise map) as float32 arrays."""
+        import nibabel as nib
+
+        return tuple(np.asarray(nib.load(self.path(f)).get_fdata(dtype=np.float32))
+                     for f in (f"{name}.nii", f"{name}_noise.nii"))
+
+    def close(self):
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run_command(command, env):
+    """Run a denoising command to completion (what a file-to-file time measures); raise with its stderr."""
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{shlex.join(command)} failed: {done.stderr.strip()[-500:]}")
+
+
+def ours_program() -> list[str]:
+    """How a user starts our command: the ``mppca-denoise`` console script installed beside this
+    interpreter, or ``python -m mppca_nipype.cli.denoise`` where it is not installed."""
+    script = Path(sys.executable).with_name("mppca-denoise")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-m", "mppca_nipype.cli.denoise"]
+
+
+def ours_env() -> dict:
+    """The environment of our command: PYTHONPATH puts this tree's package first, installed or not."""
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+
+
+def ours_command(files: NiftiPhantom, threads: int, name: str = "ours", **options) -> list[str]:
+    """``mppca-denoise IN name.nii --noise name_noise.nii --device cpu --nprocs N --quiet [options]``."""
+    flags = [item for key, value in options.items() for item in (f"--{key}", str(value))]
+    return [*ours_program(), str(files.input), str(files.path(f"{name}.nii")), "--noise",
+            str(files.path(f"{name}_noise.nii")), "--device", "cpu", "--nprocs", str(threads), "--quiet",
+            *flags]
+
+
+def warm_up_ours_file(threads: int):
+    """One run of our command on a tiny file, so that the first timed run finds the files it loads cached."""
+    rng = np.random.default_rng(0)
+    tiny = Phantom("warm-up", rng.standard_normal((12, 12, 12, 16)).astype(np.float32), None, None, 1.0, "")
+    with NiftiPhantom(tiny) as files:
+        run_command(ours_command(files, threads), ours_env())
 
 
 class Dwidenoise:
-    """MRtrix3 ``dwidenoise`` on one phantom, written once as uncompressed NIfTI in a temporary folder.
+    """MRtrix3 ``dwidenoise`` on a phantom's NIfTI file: ``run`` writes ``dwidenoise.nii`` and
+    ``dwidenoise_noise.nii`` (read them with ``files.read("dwidenoise")``); a run is a new process, so its
+    wall time includes reading and writing the files (``io_seconds`` measures that part alone)."""
 
-    Its wall time is the subprocess's: it includes reading and writing the NIfTI files (``io_seconds``
-    measures that part with ``mrconvert`` copying the same file, for reference).
-    """
+    name = "dwidenoise"
 
-    def __init__(self, phantom: Phantom, threads: int):
-        import nibabel as nib
-
+    def __init__(self, files: NiftiPhantom, threads: int):
         self.exe = shutil.which("dwidenoise")
         if self.exe is None:
             raise RuntimeError("MRtrix3's dwidenoise is not on PATH (Debian/Ubuntu: apt-get install mrtrix3)")
+        self.files = files
         self.threads = threads
-        self.folder = Path(tempfile.mkdtemp(prefix="mppca-bench-"))
-        self.input = self.folder / "noisy.nii"
-        nib.save(nib.Nifti1Image(phantom.noisy, np.eye(4)), self.input)
         self.env = dict(os.environ, OMP_NUM_THREADS=str(threads), MRTRIX_QUIET="1")
 
-    def command(self, datatype=None, estimator=None, extent=None):
-        cmd = [self.exe, str(self.input), str(self.folder / "denoised.nii"), "-noise",
-               str(self.folder / "noise.nii"), "-nthreads", str(self.threads), "-force", "-quiet"]
+    def command(self, datatype=None, estimator=None, extent=None) -> list[str]:
+        cmd = [self.exe, str(self.files.input), str(self.files.path(f"{self.name}.nii")), "-noise",
+               str(self.files.path(f"{self.name}_noise.nii")), "-nthreads", str(self.threads), "-force",
+               "-quiet"]
         if datatype:
             cmd += ["-datatype", datatype]
         if estimator:
@@ -277,23 +302,20 @@ class Dwidenoise:
         return cmd
 
     def run(self, datatype=None, estimator=None, extent=None):
-        """Returns (denoised, noise map)."""
-        import nibabel as nib
+        """One run, file to file; the outputs stay on disk."""
+        run_command(self.command(datatype, estimator, extent), self.env)
 
-        cmd = self.command(datatype, estimator, extent)
-        done = subprocess.run(cmd, capture_output=True, text=True, env=self.env)
-        if done.returncode != 0:
-            raise RuntimeError(f"{shlex.join(cmd)} failed: {done.stderr.strip()[-500:]}")
-        denoised = np.asarray(nib.load(self.folder / "denoised.nii").get_fdata(dtype=np.float32))
-        noise = np.asarray(nib.load(self.folder / "noise.nii").get_fdata(dtype=np.float32))
-        return denoised, noise
+    def denoise(self, datatype=None, estimator=None, extent=None):
+        """One run, then its outputs: (denoised, noise map)."""
+        self.run(datatype, estimator, extent)
+        return self.files.read(self.name)
 
     def io_seconds(self) -> float | None:
         """Wall time of ``mrconvert`` copying the input: what file I/O alone costs ``dwidenoise``."""
         exe = shutil.which("mrconvert")
         if exe is None:
             return None
-        cmd = [exe, str(self.input), str(self.folder / "copy.nii"), "-nthreads", str(self.threads),
+        cmd = [exe, str(self.files.input), str(self.files.path("copy.nii")), "-nthreads", str(self.threads),
                "-force", "-quiet"]
         best = float("inf")
         for _ in range(3):
@@ -301,9 +323,6 @@ class Dwidenoise:
             subprocess.run(cmd, capture_output=True, env=self.env, check=True)
             best = min(best, time.perf_counter() - started)
         return best
-
-    def close(self):
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def run_dipy(phantom: Phantom, threads: int, patch_radius):
@@ -349,41 +368,59 @@ def bench_phantom(phantom: Phantom, args) -> dict:
     extent = resolve_extent("auto", phantom.noisy.shape[:3], phantom.noisy.shape[3])
     rows = []
 
-    def record(method, options, run, repeats=args.repeats, **extra):
+    def measure(what, run, repeats):
+        result, seconds = timed(run, repeats, args.single_above)
+        return result, {f"{what}_seconds": min(seconds), f"{what}_seconds_all": seconds,
+                        f"{what}_runs": runs_label(seconds)}
+
+    def record(method, options, engine=None, file=None, repeats=args.repeats):
+        """``engine``: a call returning (denoised, sigma map[, info]); ``file``: (command, env, output name)."""
         log(f"  {phantom.name}: {method} ...")
+        row = dict(method=method, options=options)
         try:
-            (denoised, sigma_map, *info), seconds = timed(run, repeats, args.single_above)
+            if engine is not None:
+                (denoised, sigma_map, *info), times = measure("engine", engine, repeats)
+                row.update(times, **score(phantom, denoised, sigma_map))
+                if info and isinstance(info[0], dict):
+                    row["engine_info"] = {k: v for k, v in info[0].items()
+                                          if isinstance(v, (str, int, float, list))}
+            if file is not None:
+                command, env, name = file
+                _, times = measure("file", lambda: run_command(command, env), repeats)
+                written = score(phantom, *files.read(name))
+                row.update(times, file_command=shlex.join(command).replace(f"{files.folder}{os.sep}", ""))
+                if engine is None:
+                    row.update(written)
+                else:  # the file holds the engine's result, rounded to float32 on disk
+                    row["file_rmse_mask"] = written["rmse_mask"]
         except Exception as err:  # a peer that fails is reported, not fatal
             log(f"  {phantom.name}: {method} failed: {err}")
             rows.append(dict(method=method, options=options, error=str(err)))
             return
-        row = dict(method=method, options=options, seconds=min(seconds), seconds_all=seconds,
-                   runs=runs_label(seconds), **score(phantom, denoised, sigma_map), **extra)
-        if info and isinstance(info[0], dict):
-            row["engine_info"] = {k: v for k, v in info[0].items() if isinstance(v, (str, int, float, list))}
-        log(f"  {phantom.name}: {method}: {row['seconds']:.2f} s ({row['runs']}), "
-            f"RMSE {row['rmse_mask']:.3f}")
+        log(f"  {phantom.name}: {method}: " + ", ".join(
+            f"{what} {row[f'{what}_seconds']:.2f} s ({row[f'{what}_runs']})" for what in ("engine", "file")
+            if f"{what}_seconds" in row) + f", RMSE {row['rmse_mask']:.3f}")
         rows.append(row)
 
-    dwi = None
     io_seconds = None
-    try:
-        dwi = Dwidenoise(phantom, threads)
-        io_seconds = dwi.io_seconds()
-        record("dwidenoise", "float32 (default), exp2", lambda: dwi.run())
-        record("dwidenoise", "-datatype float64, exp2", lambda: dwi.run("float64"))
-    except RuntimeError as err:
-        log(f"  dwidenoise unavailable: {err}")
-        rows.append(dict(method="dwidenoise", options="float32 (default), exp2", error=str(err)))
-    finally:
-        if dwi is not None:
-            dwi.close()
+    with NiftiPhantom(phantom) as files:
+        try:
+            dwi = Dwidenoise(files, threads)
+        except RuntimeError as err:
+            log(f"  dwidenoise unavailable: {err}")
+            rows.append(dict(method="dwidenoise", options="float32 (default), exp2", error=str(err)))
+        else:
+            io_seconds = dwi.io_seconds()
+            record("dwidenoise", "float32 (default), exp2", file=(dwi.command(), dwi.env, dwi.name))
+            record("dwidenoise", "-datatype float64, exp2", file=(dwi.command("float64"), dwi.env, dwi.name))
 
-    defaults = ", ".join(f"{k}={v}" for k, v in DEFAULTS.items())
-    record("ours (defaults)", defaults, lambda: run_ours(phantom, threads))
-    mode = ", ".join(f"{k}={v}" for k, v in DWIDENOISE_MODE.items())
-    record("ours (dwidenoise mode)", mode + ", estimator=exp2",
-           lambda: run_ours(phantom, threads, **DWIDENOISE_MODE))
+        defaults = ", ".join(f"{k}={v}" for k, v in DEFAULTS.items())
+        record("ours (defaults)", defaults, engine=lambda: run_ours(phantom, threads),
+               file=(ours_command(files, threads), ours_env(), "ours"))
+        mode = ", ".join(f"{k}={v}" for k, v in DWIDENOISE_MODE.items())
+        record("ours (dwidenoise mode)", mode + ", estimator=exp2",
+               engine=lambda: run_ours(phantom, threads, **DWIDENOISE_MODE),
+               file=(ours_command(files, threads, **DWIDENOISE_MODE), ours_env(), "ours"))
 
     if args.skip_slow:
         log("  --skip-slow: DIPY and patch-denoise left out")
@@ -394,24 +431,28 @@ def bench_phantom(phantom: Phantom, args) -> dict:
             same = radius == default_radius
             label = (f"patch_radius={radius[0]} (= ours, = its default)" if same and len(set(radius)) == 1
                      else f"patch_radius={','.join(map(str, radius))} (= ours)")
-            record("DIPY mppca", label, lambda: run_dipy(phantom, threads, np.array(radius)), repeats=1)
+            record("DIPY mppca", label, engine=lambda: run_dipy(phantom, threads, np.array(radius)), repeats=1)
             if not same:
                 record("DIPY mppca", "patch_radius=2 (its default)",
-                       lambda: run_dipy(phantom, threads, 2), repeats=1)
+                       engine=lambda: run_dipy(phantom, threads, 2), repeats=1)
         else:
             rows.append(dict(method="DIPY mppca", options="", error="dipy is not installed"))
         if have("patch_denoise"):
             record("patch-denoise mp_pca", f"patch {'x'.join(map(str, extent))} (= ours), stride 1, weighted",
-                   lambda: run_patch_denoise(phantom, threads, extent), repeats=1)
+                   engine=lambda: run_patch_denoise(phantom, threads, extent), repeats=1)
         else:
             rows.append(dict(method="patch-denoise mp_pca", options="",
                              error="patch-denoise is not installed (pip install patch-denoise)"))
 
-    reference = next((r for r in rows if r["method"] == "dwidenoise" and "seconds" in r), None)
+    reference = next((r for r in rows if r["method"] == "dwidenoise" and "file_seconds" in r), None)
     for row in rows:
-        if reference and "seconds" in row:
-            row["speedup_vs_dwidenoise"] = reference["seconds"] / row["seconds"]
-            row["rmse_vs_dwidenoise"] = row["rmse_mask"] / reference["rmse_mask"]
+        if reference is None or "error" in row:
+            continue
+        # file to file where the method has a file run; DIPY and patch-denoise only by their engine time
+        basis = "file" if "file_seconds" in row else "engine"
+        row["speedup_basis"] = basis
+        row["speedup_vs_dwidenoise"] = reference["file_seconds"] / row[f"{basis}_seconds"]
+        row["rmse_vs_dwidenoise"] = row["rmse_mask"] / reference["rmse_mask"]
     return dict(phantom=phantom.summary(), extent_auto=list(extent), dwidenoise_io_seconds=io_seconds,
                 results=rows)
 
@@ -438,33 +479,38 @@ def phantom_table(entry: dict) -> str:
             f"{p['description']}. Input RMSE {p['input_rmse_mask']:.3f} (mask), {p['input_rmse_all']:.3f} "
             f"(all); auto extent {'x'.join(map(str, entry['extent_auto']))}.")
     if entry.get("dwidenoise_io_seconds") is not None:
-        head += (f" dwidenoise's time includes its NIfTI I/O (mrconvert copying the same file: "
-                 f"{entry['dwidenoise_io_seconds']:.2f} s).")
-    headers = ["method", "options", "runs", "wall s", "speed-up vs dwidenoise", "RMSE mask",
-               "RMSE ÷ dwidenoise", "RMSE all", "σ median rel. err", "σ rms rel. err"]
+        head += (f" Reading and writing the files alone (mrconvert copying the input) takes "
+                 f"{entry['dwidenoise_io_seconds']:.2f} s.")
+    headers = ["method", "options", "runs (engine / file)", "engine s", "file-to-file s",
+               "speed-up vs dwidenoise (file to file)", "RMSE mask", "RMSE ÷ dwidenoise", "RMSE all",
+               "σ median rel. err", "σ rms rel. err"]
     rows = []
     for r in entry["results"]:
         if "error" in r:
-            rows.append([r["method"], r["options"], "—", "failed", "", "", "", "", "", r["error"][:80]])
+            rows.append([r["method"], r["options"], "—", "failed", "", "", "", "", "", "", r["error"][:80]])
             continue
+        options = r["options"] + ("; a new process, file to file" if r["method"] == "dwidenoise" else "")
         speedup = r.get("speedup_vs_dwidenoise")
-        rows.append([r["method"], r["options"], r["runs"], f"{r['seconds']:.2f}",
-                     "n/a" if speedup is None else f"{speedup:.2f}x", f"{r['rmse_mask']:.3f}",
-                     fmt(r.get("rmse_vs_dwidenoise"), ".3f"), f"{r['rmse_all']:.3f}",
+        speedup = "n/a" if speedup is None else f"{speedup:.2f}x" + (" †" if r["speedup_basis"] == "engine" else "")
+        rows.append([r["method"], options, f"{r.get('engine_runs', '—')} / {r.get('file_runs', '—')}",
+                     fmt(r.get("engine_seconds"), ".2f", "—"), fmt(r.get("file_seconds"), ".2f", "—"), speedup,
+                     f"{r['rmse_mask']:.3f}", fmt(r.get("rmse_vs_dwidenoise"), ".3f"), f"{r['rmse_all']:.3f}",
                      percent(r["sigma_median_rel"]), percent(r["sigma_rms_rel"], signed=False)])
     return head + "\n\n" + markdown_table(headers, rows)
 
 
 def report_markdown(report: dict) -> str:
-    m = report["machine"]
-    lines = [f"CPU: {m['cpu_model']} ({m['logical_cpus']} logical CPUs), {m['threads']} threads used "
-             f"(pinned to CPUs {m['pinned_cpus']}); load average at start "
-             f"{', '.join(f'{x:.2f}' for x in m['load_average_at_start'])}, at end "
-             f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}.",
-             f"Command: `{m['command']}` (commit {m['git_commit'] or 'unknown'}"
-             f"{DIRTY if m['package_modified'] else ''}; {report['timing']}).", ""]
+    run = report["stamp"]
+    lines = [harness.stamp_markdown(run), "",
+             f"{report['settings']['threads']} threads for every method; {report['timing']}.", ""]
     for entry in report["phantoms"]:
         lines += [phantom_table(entry), ""]
+    if any(r.get("speedup_basis") == "engine" for e in report["phantoms"] for r in e["results"]):
+        lines += ["† run in this process only: its engine time against dwidenoise's file-to-file time.", ""]
+    lines += ["File to file, as run (in the phantom's folder; ours " + " ".join(report["ours_program"]) + "):", ""]
+    lines += [f"- {r['method']}: `{Path(r['file_command'].split()[0]).name} {r['file_command'].split(' ', 1)[1]}`"
+              for r in report["phantoms"][0]["results"] if "file_command" in r] if report["phantoms"] else []
+    lines += ["", harness.load_note(run)]
     return "\n".join(lines)
 
 
@@ -489,17 +535,22 @@ def add_run_options(parser, *, threads_help, repeats_help, single_above, out_nam
 
 
 def start_run(args, parser):
-    """Check the shared options, fill their size-dependent defaults, pin the process; return
-    (shape, volumes, machine) and log the machine."""
+    """Check the shared options, fill their size-dependent defaults, pin the process, stamp the run.
+
+    Returns (shape, volumes, stamp, settings): ``settings`` records threads, pinned CPUs, repeats, sizes.
+    """
     if args.threads < 1:
         parser.error("--threads must be at least 1")
     shape = args.shape or (QUICK_SHAPE if args.quick else REFERENCE_SHAPE)
     volumes = args.volumes or (QUICK_VOLUMES if args.quick else REFERENCE_VOLUMES)
     args.repeats = args.repeats or (1 if args.quick else 3)
     pinned = [] if args.no_pin else pin_to_cores(args.threads)
-    machine = machine_info(args.threads, pinned)
-    log(f"{machine['cpu_model']}: {args.threads} threads, pinned to {pinned or 'nothing'}")
-    return shape, volumes, machine
+    run = harness.stamp()
+    settings = dict(threads=args.threads, pinned_cpus=pinned, quick=args.quick, shape=list(shape),
+                    volumes=volumes, phantoms=args.phantoms, repeats=args.repeats, single_above=args.single_above)
+    log(f"{run['hardware']['cpu_model']}: {args.threads} threads, pinned to {pinned or 'nothing'}; "
+        f"{harness.load_line(run)}")
+    return shape, volumes, run, settings
 
 
 def main(argv=None):
@@ -511,21 +562,24 @@ def main(argv=None):
                     out_name="cpu_peers.json")
     parser.add_argument("--skip-slow", action="store_true", help="leave out DIPY and patch-denoise")
     args = parser.parse_args(argv)
-    shape, volumes, machine = start_run(args, parser)
-    timing = timing_note(args.repeats, args.single_above)
-    report = dict(machine=machine, timing=timing, phantoms=[])
+    shape, volumes, run, settings = start_run(args, parser)
+    settings["skip_slow"] = args.skip_slow
+    timing = (f"wall time: {timing_note(args.repeats, args.single_above)}; engine: in this process (ours after "
+              "one warm-up call); file to file: a new process reading and writing NIfTI (ours: mppca-denoise; "
+              "dwidenoise)")
+    report = dict(stamp=run, settings=settings, timing=timing,
+                  ours_program=ours_program(), phantoms=[])
     warm_up_ours(args.threads)
+    warm_up_ours_file(args.threads)
     for spec in args.phantoms.split(","):
         phantom = make_phantom(spec.strip(), shape, volumes)
         log(f"{phantom.name}: {phantom.description}")
         report["phantoms"].append(bench_phantom(phantom, args))
-    report["load_average_at_end"] = list(os.getloadavg())
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    harness.finish(run)
     markdown = report_markdown(report)
-    args.out.with_suffix(".md").write_text(markdown + "\n")
-    log(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    written = harness.write_result(args.out, report, markdown)
+    log("wrote " + " and ".join(map(str, written)))
     print(markdown)
 
 

@@ -3,7 +3,9 @@
 Builds a BIDS dataset of ``--subjects`` participants (one DWI run each, a head phantom of ``--shape`` x
 ``--volumes``), then runs ``mppca-nipype ... participant --device cuda`` twice in fresh output folders: once
 with ``CUDA_VISIBLE_DEVICES`` naming one GPU, once naming all of them. Reports the wall times, the speed-up
-and, from each run's provenance, the device that denoised it. JSON to ``--out`` (default: $OUT/multi_gpu.json).
+and, from each run's provenance, the device that denoised it. JSON to ``--out`` (default
+benchmarks/results/multi_gpu.json), stamped by ``harness.stamp()`` (commit, date, hardware with the GPUs,
+load average at start and end, versions, command), and the summary as Markdown next to it.
 
     python benchmarks/multi_gpu.py --subjects 4 --shape 96,96,60 --volumes 100
 """
@@ -19,8 +21,17 @@ import sys
 import tempfile
 import time
 
-from mppca_nipype.demo import write_gradients, write_raw_description, write_series
-from mppca_nipype.phantoms import dwi_phantom
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import harness  # noqa: E402
+
+if str(harness.REPO) not in sys.path:  # benchmark the package of this tree, installed or not
+    sys.path.insert(0, str(harness.REPO))
+
+from mppca_nipype.demo import write_gradients, write_raw_description, write_series  # noqa: E402
+from mppca_nipype.phantoms import dwi_phantom  # noqa: E402
 
 
 def make_dataset(root: Path, subjects: int, shape, volumes: int) -> Path:
@@ -35,7 +46,8 @@ def make_dataset(root: Path, subjects: int, shape, volumes: int) -> Path:
 
 
 def run_app(bids_dir: Path, output_dir: Path, gpus: list[str], nprocs: int) -> dict:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(harness.REPO), os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "mppca_nipype.cli.bids_app", str(bids_dir), str(output_dir), "participant",
                "--device", "cuda", "--nprocs", str(nprocs), "--skip-bids-validation", "--no-reports"]
     started = time.perf_counter()
@@ -46,20 +58,36 @@ def run_app(bids_dir: Path, output_dir: Path, gpus: list[str], nprocs: int) -> d
         provenance = json.loads(sidecar.read_text())["MPPCADenoising"]
         devices[sidecar.name] = dict(device=provenance.get("Device"), backend=provenance.get("Backend"),
                                      wall=provenance.get("WallTimeSeconds"))
-    return dict(gpus=gpus, seconds=seconds, status=done.returncode, stderr=done.stderr[-3000:], runs=devices)
+    return dict(gpus=gpus, seconds=seconds, status=done.returncode, stderr=done.stderr[-3000:], runs=devices,
+                command=" ".join(command[2:]))
 
 
-def main():
+def summary_lines(summary: dict) -> list[str]:
+    lines = []
+    for result in summary["runs"]:
+        used = sorted({str(r["device"]) for r in result["runs"].values()})
+        lines.append(f"{len(result['gpus'])} GPU(s): {result['seconds']:.1f} s, exit {result['status']}, "
+                     f"{len(result['runs'])} runs denoised on {used}")
+    lines.append(f"speed-up with {summary['gpus']} GPUs: {summary['speedup']:.2f}x")
+    return lines
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--subjects", type=int, default=4)
     parser.add_argument("--shape", default="96,96,60")
     parser.add_argument("--volumes", type=int, default=100)
     parser.add_argument("--nprocs", type=int, default=os.cpu_count())
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "multi_gpu.json"))
-    args = parser.parse_args()
-    import torch
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "multi_gpu.json",
+                        help="JSON output; the Markdown summary goes next to it as .md")
+    args = parser.parse_args(argv)
 
-    all_gpus = [str(i) for i in range(torch.cuda.device_count())]
+    run = harness.stamp()
+    gpu = run["hardware"]["gpu"]
+    names = [g["name"] for g in gpu["gpus"]] if gpu else []
+    if not names:
+        raise SystemExit("multi_gpu.py needs torch with at least one CUDA GPU; torch sees none here")
+    all_gpus = [str(i) for i in range(len(names))]
     shape = tuple(int(s) for s in args.shape.split(","))
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
@@ -67,17 +95,19 @@ def main():
         results = [run_app(bids_dir, folder / f"out{len(gpus)}", gpus, args.nprocs)
                    for gpus in (all_gpus[:1], all_gpus)]
     one, many = results
-    summary = dict(gpus=torch.cuda.device_count(), names=[torch.cuda.get_device_name(i) for i in range(len(all_gpus))],
-                   subjects=args.subjects, shape=shape, volumes=args.volumes, runs=results,
-                   speedup=one["seconds"] / many["seconds"])
-    Path(args.out).write_text(json.dumps(summary, indent=2))
+    summary = dict(stamp=run, gpus=len(all_gpus), names=names, subjects=args.subjects, shape=shape,
+                   volumes=args.volumes, nprocs=args.nprocs, runs=results, speedup=one["seconds"] / many["seconds"])
+    harness.finish(run)
+    text = summary_lines(summary)
+    markdown = "\n".join([f"{args.subjects} participants, one DWI run each ({'x'.join(map(str, shape))} x "
+                           f"{args.volumes} volumes), `mppca-nipype ... participant --device cuda --nprocs "
+                           f"{args.nprocs}` on one GPU, then on all:", ""] + [f"- {line}" for line in text]
+                          + ["", harness.stamp_markdown(run), "", harness.load_note(run)])
+    harness.write_result(args.out, summary, markdown)
     for result in results:
-        used = sorted({r["device"] for r in result["runs"].values()})
-        print(f"{len(result['gpus'])} GPU(s): {result['seconds']:.1f} s, exit {result['status']}, "
-              f"{len(result['runs'])} runs denoised on {used}")
         if result["status"]:
             print(result["stderr"])
-    print(f"speed-up with {len(all_gpus)} GPUs: {summary['speedup']:.2f}x")
+    print(markdown)
 
 
 if __name__ == "__main__":

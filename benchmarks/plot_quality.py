@@ -6,7 +6,7 @@ Default inputs: ``benchmarks/results/quality.json`` and ``quality_t300.json`` (w
 shapes are plotted side by side, their T tells them apart). One panel per phantom family (low-rank phantoms
 by rank and noise, the DWI phantom by noise), RMSE in the mask divided by dwidenoise's on the same phantom;
 the last panel the median wall time over the phantoms of each T (log scale). Ratios above ``CLIP`` are
-drawn at it with their value.
+drawn at it with their value. The figure's footer names the commit and date of each input (its ``stamp``).
 """
 
 from __future__ import annotations
@@ -36,16 +36,30 @@ def family(phantom: str) -> str:
 
 
 def load(paths):
-    rows = []
-    for path in paths:
-        if Path(path).exists():
-            rows += json.loads(Path(path).read_text())["phantoms"]
+    """The phantom rows of every input that exists, and one line per input saying where it came from."""
+    rows, sources = [], []
+    for path in map(Path, paths):
+        if path.exists():
+            result = json.loads(path.read_text())
+            rows += result["phantoms"]
+            sources.append(source_line(path, result))
     if not rows:
         raise SystemExit(f"plot_quality: none of {', '.join(map(str, paths))} exists")
-    return rows
+    return rows, sources
 
 
-def plot(rows, out: Path):
+def source_line(path: Path, result: dict) -> str:
+    """'quality.json: commit 1a2b3c4d5e6f, 2026-12-01' from the result's stamp (or its older "machine")."""
+    stamp = result.get("stamp") or {}
+    machine = result.get("machine") or {}
+    commit = stamp.get("commit") or machine.get("git_commit")
+    dirty = stamp.get("dirty", machine.get("package_modified"))
+    date = stamp.get("date") or machine.get("date")
+    text = f"{path.name}: commit {commit[:12] if commit else 'unknown'}{' (modified)' if dirty else ''}"
+    return text + (f", {date[:10]}" if date else "")
+
+
+def plot(rows, out: Path, sources=()):
     families = sorted({family(r["phantom"]) for r in rows}, key=lambda f: (not f.startswith("lowrank"), f))
     dwidenoise = {r["phantom"]: r["rmse_mask"] for r in rows if r["method"] == "dwidenoise"}
     methods = [m for m in STYLE if any(r["method"] == m for r in rows)]
@@ -90,6 +104,8 @@ def plot(rows, out: Path):
                bbox_to_anchor=(0.98, 0.05) if panels < axes.size else (0.98, 0.0))
     fig.suptitle("MP-PCA on phantoms with a known truth (benchmarks/quality.py)", fontsize=12)
     fig.tight_layout()
+    if sources:
+        fig.text(0.01, 0.005, "; ".join(sources), fontsize=7, color="0.4", ha="left", va="bottom")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     return out
@@ -100,7 +116,8 @@ def main(argv=None):
     parser.add_argument("inputs", nargs="*", type=Path, default=DEFAULT_INPUTS)
     parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "figures" / "quality.png")
     args = parser.parse_args(argv)
-    print(plot(load(args.inputs), args.out))
+    rows, sources = load(args.inputs)
+    print(plot(rows, args.out, sources))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Denoising quality against the peers: phantoms with a known truth, and DIPY's small real DWI.
 
-Part 1, phantoms (``mppca_nipype.phantoms``, seed 0): for every number of volumes T in ``--volumes`` (default
+Phantoms (``mppca_nipype.phantoms``, seed 0): for every number of volumes T in ``--volumes`` (default
 32, 64, 128, 300), the low-rank phantom at several ranks and noise levels and the head-shaped DWI phantom at
 several noise levels. Methods: our defaults, our dwidenoise mode (``extent='auto', stride=1,
 aggregation='center', demean='none'``), MRtrix3 ``dwidenoise`` (float32, its defaults), DIPY's ``mppca``
@@ -8,7 +8,7 @@ aggregation='center', demean='none'``), MRtrix3 ``dwidenoise`` (float32, its def
 stride 1, weighted). Measures: RMSE to the truth in the mask and over the whole image, the noise map's error
 against the true sigma (median and rms of sigma_hat/sigma - 1 in the mask) and the wall time.
 
-Part 2, real DWI: DIPY's ``small_64D`` (10x10x10, 65 volumes) and ``small_101D`` (6x10x10, 102 volumes),
+Real DWI: DIPY's ``small_64D`` (10x10x10, 65 volumes) and ``small_101D`` (6x10x10, 102 volumes),
 shipped inside the dipy package (no download). No truth: we report the agreement of each method with
 ``dwidenoise -datatype float64`` (rms of the difference relative to the rms of the data; noise maps:
 median |sigma/sigma_dwidenoise - 1|; dwidenoise 3.0.3 writes no rank map) and the residuals' whiteness:
@@ -17,7 +17,9 @@ when the residual holds smooth structure, i.e. removed signal), the mean absolut
 residuals of different volumes, and the SD of the residual scaled by sigma sqrt(1 - (P + d)/T) (1 when
 the noise estimate is right; only for our modes: dwidenoise 3.0.3 and DIPY give no rank map).
 
-Scoring, timing, core pinning and the peer runners are ``cpu_peers.py``'s.
+Scoring, timing, core pinning and the peer runners are ``cpu_peers.py``'s; ours and the Python peers are
+timed in this process, ``dwidenoise`` as a new process, file to file. The result is stamped by
+``harness.stamp()`` (commit, date, hardware, load average at start and end, versions, command).
 
 Usage (from the repository root)::
 
@@ -25,14 +27,14 @@ Usage (from the repository root)::
     python benchmarks/quality.py --quick                      # tiny sizes, T = 32 and 64: a smoke test
     python benchmarks/quality.py --skip dipy,patch-denoise    # without the slow peers
 
-Writes JSON to ``--out`` (default benchmarks/results/quality.json) and Markdown tables next to it (``.md``);
-the tables are printed last.
+Writes JSON to ``--out`` (default benchmarks/results/quality.json: ``stamp``, ``settings``, ``phantoms``
+and ``real``, the rows that ``plot_quality.py`` draws) and Markdown tables next to it (``.md``); the tables
+are printed last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 import sys
 import warnings
@@ -44,8 +46,9 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import cpu_peers as peers  # noqa: E402  (the shared phantoms, scoring, timing and peer runners)
+import harness  # noqa: E402
 
-#: The full grid. Shape and volumes as in the issue: T in {32, 64, 128, 300}.
+#: The full grid: T in {32, 64, 128, 300}.
 FULL_SHAPE = (48, 48, 32)
 FULL_VOLUMES = (32, 64, 128, 300)
 #: Low-rank phantoms: (rank, sigma) on a baseline near 1000; DWI phantoms: sigma (b=0 signal about 1000).
@@ -97,7 +100,7 @@ def auto_extent(phantom):
 
 
 def run_method(name, phantom, threads, dwidenoise=None):
-    """Returns (denoised, sigma map or None, rank map or None)."""
+    """Returns (denoised, sigma map or None, rank map or None); ``dwidenoise`` is a ``peers.Dwidenoise``."""
     if name == "ours (defaults)":
         from mppca_nipype import denoise
 
@@ -109,7 +112,7 @@ def run_method(name, phantom, threads, dwidenoise=None):
         result = denoise(phantom.noisy, device="cpu", nprocs=threads, **peers.DWIDENOISE_MODE)
         return result.denoised, result.sigma, result.rank
     if name == "dwidenoise":
-        denoised, sigma = dwidenoise.run()
+        denoised, sigma = dwidenoise.files.read(dwidenoise.name)
         return denoised, sigma, None
     if name == "dipy mppca":
         denoised, sigma = peers.run_dipy(phantom, threads, patch_radius=2)
@@ -120,9 +123,20 @@ def run_method(name, phantom, threads, dwidenoise=None):
     raise ValueError(name)
 
 
+def measure(method, phantom, args, dwidenoise=None):
+    """Run ``method`` on ``phantom`` as ``args`` says; returns ((denoised, sigma, rank), wall times).
+
+    dwidenoise's time is its process, file to file; its outputs are read afterwards, untimed.
+    """
+    if method == "dwidenoise":
+        _, seconds = peers.timed(dwidenoise.run, args.repeats, args.single_above)
+        return run_method(method, phantom, args.threads, dwidenoise), seconds
+    return peers.timed(lambda: run_method(method, phantom, args.threads), args.repeats, args.single_above)
+
+
 def available(methods, skip):
     chosen = [m for m in methods if m not in skip]
-    missing = {"dwidenoise": not peers.dwidenoise_version(), "dipy mppca": not peers.have("dipy"),
+    missing = {"dwidenoise": not harness.dwidenoise_version(), "dipy mppca": not peers.have("dipy"),
                "patch-denoise": not peers.have("patch_denoise")}
     for method, absent in missing.items():
         if method in chosen and absent:
@@ -136,12 +150,10 @@ def bench_phantoms(args, methods):
     for n_volumes, make in phantom_grid(args.shape, args.volumes, args.lowrank, args.dwi):
         phantom = make()
         peers.log(f"quality: {phantom.name} ({'x'.join(map(str, phantom.noisy.shape))})")
-        dwidenoise = peers.Dwidenoise(phantom, args.threads) if "dwidenoise" in methods else None
-        try:
+        with peers.NiftiPhantom(phantom) as files:
+            dwidenoise = peers.Dwidenoise(files, args.threads) if "dwidenoise" in methods else None
             for method in methods:
-                (denoised, sigma, _), seconds = peers.timed(
-                    lambda m=method: run_method(m, phantom, args.threads, dwidenoise), args.repeats,
-                    args.single_above)
+                (denoised, sigma, _), seconds = measure(method, phantom, args, dwidenoise)
                 row = dict(phantom=phantom.name, volumes=n_volumes, sigma=phantom.sigma, method=method,
                            seconds=min(seconds), runs=peers.runs_label(seconds),
                            input_rmse_mask=phantom.summary()["input_rmse_mask"],
@@ -149,9 +161,6 @@ def bench_phantoms(args, methods):
                 rows.append(row)
                 peers.log(f"  {method:24s} rmse {row['rmse_mask']:.3f} (input {row['input_rmse_mask']:.3f}) "
                           f"{row['seconds']:.2f} s")
-        finally:
-            if dwidenoise is not None:
-                dwidenoise.close()
     return rows
 
 
@@ -212,13 +221,12 @@ def bench_real(args, methods):
     for name in REAL_DATA:
         data = load_real(name)
         peers.log(f"quality: {name} {data.noisy.shape}")
-        runner = peers.Dwidenoise(data, args.threads)
-        try:
-            reference, reference_sigma = runner.run(datatype="float64")
+        with peers.NiftiPhantom(data) as files:
+            runner = peers.Dwidenoise(files, args.threads)
+            reference, reference_sigma = runner.denoise(datatype="float64")
             scale = peers.rms(data.noisy)
             for method in methods:
-                (denoised, sigma, rank), seconds = peers.timed(
-                    lambda m=method: run_method(m, data, args.threads, runner), args.repeats, args.single_above)
+                (denoised, sigma, rank), seconds = measure(method, data, args, runner)
                 row = dict(data=name, shape=list(data.noisy.shape), method=method, seconds=min(seconds),
                            runs=peers.runs_label(seconds),
                            rel_rms_diff_to_dwidenoise=peers.rms(np.asarray(denoised, np.float64) - reference)
@@ -233,8 +241,6 @@ def bench_real(args, methods):
                 rows.append(row)
                 peers.log(f"  {method:24s} diff {row['rel_rms_diff_to_dwidenoise']:.2e} "
                           f"lag1 x {row['lag1_x']:+.3f} vol {row['volume_abs_correlation']:.3f}")
-        finally:
-            runner.close()
     return rows
 
 
@@ -261,14 +267,15 @@ def markdown(result) -> str:
     for row in result["real"]:
         lags = " / ".join(fmt(row.get(f"lag1_{a}"), "+.3f") for a in "xyz")
         lines.append(f"| {row['data']} | {row['method']} | {fmt(row['rel_rms_diff_to_dwidenoise'], '.2e')} | "
-                     f"{fmt(row.get('sigma_median_abs_rel_diff'), '.3f')} | {lags} | {fmt(row['volume_abs_correlation'], '.3f')} | "
+                     f"{fmt(row.get('sigma_median_abs_rel_diff'), '.3f')} | {lags} | "
+                     f"{fmt(row['volume_abs_correlation'], '.3f')} | "
                      f"{fmt(row.get('scaled_residual_sd'), '.3f')} | {fmt(row['seconds'], '.2f')} |")
-    machine = result["machine"]
-    lines += ["", f"Machine: {machine['cpu_model']}, {machine['threads']} threads (pinned to "
-              f"{machine['pinned_cpus']}), load average at start {machine['load_average_at_start']}; "
-              f"{peers.timing_note(result['settings']['repeats'], result['settings']['single_above'])}. "
-              f"Command: `{machine['command']}`; commit {machine['git_commit']}"
-              f"{peers.DIRTY if machine['package_modified'] else ''}."]
+    settings = result["settings"]
+    lines += ["", f"{settings['threads']} threads for every method; wall time: "
+              f"{peers.timing_note(settings['repeats'], settings['single_above'])}; "
+              "ours, DIPY and patch-denoise in this process (ours after one warm-up call); dwidenoise a new "
+              "process, file to file (its time includes reading and writing NIfTI).", "",
+              harness.stamp_markdown(result["stamp"]), "", harness.load_note(result["stamp"])]
     return "\n".join(lines) + "\n"
 
 
@@ -292,7 +299,7 @@ def main(argv=None):
     parser.add_argument("--shape", type=peers.parse_shape, help="phantom shape X,Y,Z")
     parser.add_argument("--volumes", type=parse_volumes, help="numbers of volumes, e.g. 32,64,128,300")
     parser.add_argument("--skip", default="", help="peers to leave out: dwidenoise,dipy,patch-denoise")
-    parser.add_argument("--no-real", action="store_true", help="skip the real DWI part")
+    parser.add_argument("--no-real", action="store_true", help="leave out the real DWI (DIPY small_64D, small_101D)")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs (default 3)")
     parser.add_argument("--single-above", type=float, default=20.0,
                         help="one run only when the first takes longer (seconds, default 20)")
@@ -311,27 +318,27 @@ def main(argv=None):
         args.repeats = min(args.repeats, 1)
 
     pinned = [] if args.no_pin else peers.pin_to_cores(args.threads)
-    machine = peers.machine_info(args.threads, pinned)
+    run = harness.stamp()
     methods = available(list(METHODS), skip)
     peers.warm_up_ours(args.threads)
 
-    result = dict(machine=machine,
-                  settings=dict(quick=args.quick, shape=list(args.shape), volumes=list(args.volumes),
+    result = dict(stamp=run,
+                  settings=dict(threads=args.threads, pinned_cpus=pinned, quick=args.quick, shape=list(args.shape),
+                                volumes=list(args.volumes),
                                 lowrank=[list(p) for p in args.lowrank], dwi=list(args.dwi), methods=methods,
                                 repeats=args.repeats, single_above=args.single_above),
                   phantoms=bench_phantoms(args, methods), real=[])
     if not args.no_real:
         if "dwidenoise" not in methods or not peers.have("dipy"):
-            peers.log("quality: the real-data part needs dwidenoise and dipy; skipped")
+            peers.log("quality: the real DWI needs dwidenoise and dipy; left out")
         else:
             result["real"] = bench_real(args, methods)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    harness.finish(run)
     table = markdown(result)
-    args.out.with_suffix(".md").write_text(table)
+    written = harness.write_result(args.out, result, table)
     print(table)
-    peers.log(f"quality: wrote {args.out} and {args.out.with_suffix('.md')}")
+    peers.log("quality: wrote " + " and ".join(map(str, written)))
 
 
 if __name__ == "__main__":
