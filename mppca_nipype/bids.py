@@ -19,13 +19,12 @@ or ``bold``) the derivative dataset holds, in the same sub-/ses-/datatype folder
 ``logs/CITATION.md``
     The methods boilerplate with its references.
 ``sub-<label>/figures/<entities>_desc-<kind>_<suffix>.png`` and ``sub-<label>.html`` (unless --no-reports)
-    The QC figures of each run (kinds: ``reports.FIGURES``) and one report page per subject, as fMRIPrep
-    lays them out. Not BIDS files: ``.bidsignore`` lists them.
+    The QC figures of each run (kinds: ``FIGURE_KINDS``; :mod:`mppca_nipype.reports` draws them) and one
+    report page per subject, as fMRIPrep lays them out. Not BIDS files: ``.bidsignore`` lists them.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 import hashlib
 from importlib.metadata import PackageNotFoundError, version as package_version
@@ -34,7 +33,6 @@ import os
 from pathlib import Path, PurePosixPath
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 
@@ -44,7 +42,8 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
                                     traits)
 
 from .engine.errors import MPPCAInputError
-from .io import atomic_destination, remove_stale_temporaries, staged_files
+from .io import (commit_together, file_lock, json_text, remove_stale_temporaries, staged_files,
+                 write_json_atomic, write_text_atomic)
 
 PIPELINE_NAME = "mppca-nipype"
 CODE_URL = "https://github.com/mppca-nipype/mppca-nipype"
@@ -60,6 +59,9 @@ MAPS = {
 }
 DENOISED_DESC = "denoised"
 
+#: The QC figures of a run, in page order: each is ``desc-<kind>`` in the figure's name.
+FIGURE_KINDS = ("slices", "maps", "residuals", "spectra")
+
 #: What the derivative's .bidsignore lists: the noise/rank maps (no BIDS suffix exists for them), logs and the
 #: QC reports. (bids-validator-deno 3.0 fails to match globs with a wildcard between fixed parts, such as
 #: ``*_desc-noise_*map.*``; a leading and a trailing wildcard work. It reports the folder ``sub-01/figures/``
@@ -73,88 +75,17 @@ VERSIONED_PACKAGES = ("mppca-nipype", "numpy", "torch", "triton", "nvmath-python
 _NIFTI = re.compile(r"(\.nii(\.gz)?)$")
 
 
-# --------------------------------------------------------------------------------------------- writing
-
-def write_text_atomic(path, text: str):
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    with atomic_destination(path) as tmp:
-        Path(tmp).write_text(text)
-    return Path(path)
-
-
-def _jsonable(value):
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, (Path, PurePosixPath)):
-        return str(value)
-    if isinstance(value, (set, tuple)):
-        return list(value)
-    return str(value)
-
-
-def write_json_atomic(path, obj):
-    """Write ``obj`` as indented JSON, atomically (numpy scalars and paths are converted)."""
-    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=_jsonable) + "\n")
-
-
-def copy_atomic(source, destination):
-    """Copy a file so that a reader never sees it half-written."""
-    with atomic_destination(destination) as tmp:
-        shutil.copyfile(source, tmp)
-    return Path(destination)
-
-
-@contextmanager
-def commit_together():
-    """A block of renames that SIGTERM cannot split: the signal waits until the block ends (SIGKILL
-    cannot be held off; a rerun completes what it split)."""
-    blocked = hasattr(signal, "pthread_sigmask")
-    if blocked:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    try:
-        yield
-    finally:
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 # ------------------------------------------------------------------------------------------------ locks
 
 #: Where the lock files live, inside OUTPUT_DIR (hidden; also the default work directory's parent).
 LOCK_FOLDER = ".mppca-work/locks"
 
 
-@contextmanager
-def file_lock(path, *, wait=True, on_wait=None):
-    """Hold an exclusive lock on the file ``path`` (created) for the block.
-
-    A POSIX (``fcntl``) lock: it works on NFS and goes with its holder, even one killed by SIGKILL, so a
-    killed run never leaves a stale lock. With ``wait`` false, raises BlockingIOError when another process
-    holds it; ``on_wait()`` is called once before waiting.
-    """
-    import fcntl
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        try:
-            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            if not wait:
-                raise BlockingIOError(f"another process holds the lock {path}") from None
-            if on_wait is not None:
-                on_wait()
-            fcntl.lockf(handle, fcntl.LOCK_EX)
-        yield  # the lock goes with the file's closing
-
-
 def output_lock(output_dir, name="dataset", **how):
     """The lock ``name`` of the derivative dataset in ``output_dir`` (a file in ``LOCK_FOLDER``).
 
     ``dataset`` guards the dataset-level files; ``run-<node name>`` one run's work and derivatives.
-    ``how``: as for :func:`file_lock`."""
+    ``how``: as for :func:`mppca_nipype.io.file_lock`."""
     return file_lock(Path(output_dir) / LOCK_FOLDER / f"{name}.lock", **how)
 
 
@@ -256,14 +187,13 @@ def derivative_names(source_relpath) -> dict:
 
 def report_names(source_relpath) -> dict:
     """Paths, relative to OUTPUT_DIR, of the QC figures of the raw run at ``source_relpath``:
-    {kind: ``sub-<label>/figures/<entities>_desc-<kind>_<suffix>.png``} for each kind of ``reports.FIGURES``.
+    {kind: ``sub-<label>/figures/<entities>_desc-<kind>_<suffix>.png``} for each of ``FIGURE_KINDS``.
     """
-    from .reports import FIGURES
-
     source = PurePosixPath(source_relpath)
     entities, suffix, _ = split_name(source.name)
     folder = PurePosixPath(source.parts[0]) / "figures"
-    return {kind: str(folder / "_".join([*entities, f"desc-{kind}", f"{suffix}.png"])) for kind in FIGURES}
+    return {kind: str(folder / "_".join([*entities, f"desc-{kind}", f"{suffix}.png"]))
+            for kind in FIGURE_KINDS}
 
 
 def subject_report_name(subject) -> str:
@@ -546,7 +476,7 @@ class DerivativesSink(SimpleInterface):
         with staged_files(destinations, commit=commit_together, clear_stale=True, make_folders=True) as staged:
             for (_, content), path in zip(contents, destinations):
                 if isinstance(content, dict):
-                    staged[path].write_text(json.dumps(content, indent=2, default=_jsonable) + "\n")
+                    staged[path].write_text(json_text(content))
                 else:
                     shutil.copyfile(content, staged[path])
         written = [str(path) for path in destinations]

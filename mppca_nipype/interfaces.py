@@ -194,7 +194,7 @@ class MPPCADenoise(SimpleInterface):
 
     def _run_interface(self, runtime):
         from . import io
-        from .bids import collect_provenance, write_json_atomic
+        from .bids import collect_provenance
         from .engine import available_cpus
 
         start = time.perf_counter()
@@ -227,7 +227,7 @@ class MPPCADenoise(SimpleInterface):
             wall_seconds=time.perf_counter() - start, warnings=notes)
         provenance.update(placement)
         provenance_file = str(Path(runtime.cwd) / "provenance.json")
-        write_json_atomic(provenance_file, provenance)
+        io.write_json_atomic(provenance_file, provenance)
         self._results.update(out_file=out_file, noise_file=noise_file, rank_file=rank_file,
                              provenance_file=provenance_file)
         return runtime

@@ -1,14 +1,18 @@
-"""NIfTI in and out with nibabel: reading and validating inputs, writing outputs atomically.
+"""Files in and out: NIfTI with nibabel, input validation, atomic writes of images, text and JSON, and
+file locks for writers that share a folder.
 
-Knows nothing of the math. Every failure is raised as ``MPPCAInputError`` with one sentence for the user.
+Knows nothing of the math, of Nipype or of BIDS. A file that cannot be read or written raises
+``MPPCAInputError`` with one sentence for the user.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePath
 import re
+import signal
 import tempfile
 
 import nibabel as nib
@@ -176,6 +180,74 @@ def atomic_destination(path):
     over ``path`` when the block succeeds, removed when it fails."""
     with staged_files([path]) as staged:
         yield str(staged[path])
+
+
+@contextmanager
+def commit_together():
+    """A block of renames that SIGTERM cannot split (a ``commit`` for ``staged_files``): the signal waits
+    until the block ends. SIGKILL cannot be held off; a rerun completes what it split."""
+    blocked = hasattr(signal, "pthread_sigmask")
+    if blocked:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def write_text_atomic(path, text: str):
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    with atomic_destination(path) as tmp:
+        Path(tmp).write_text(text)
+    return Path(path)
+
+
+def _jsonable(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)
+
+
+def json_text(obj) -> str:
+    """``obj`` as indented JSON text ending in a newline (NumPy scalars and arrays, paths and sets are
+    converted; anything else unknown becomes its ``str``)."""
+    return json.dumps(obj, indent=2, default=_jsonable) + "\n"
+
+
+def write_json_atomic(path, obj):
+    """Write ``obj`` as indented JSON (``json_text``), atomically."""
+    return write_text_atomic(path, json_text(obj))
+
+
+@contextmanager
+def file_lock(path, *, wait=True, on_wait=None):
+    """Hold an exclusive lock on the file ``path`` (created) for the block.
+
+    A POSIX (``fcntl``) lock: it works on NFS and goes with its holder, even one killed by SIGKILL, so a
+    killed run never leaves a stale lock. With ``wait`` false, raises BlockingIOError when another process
+    holds it; ``on_wait()`` is called once before waiting.
+    """
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            if not wait:
+                raise BlockingIOError(f"another process holds the lock {path}") from None
+            if on_wait is not None:
+                on_wait()
+            fcntl.lockf(handle, fcntl.LOCK_EX)
+        yield  # the lock goes with the file's closing
 
 
 def remove_stale_temporaries(path):

@@ -34,9 +34,12 @@ from threadpoolctl import threadpool_limits
 
 from nipype.interfaces.base import BaseInterfaceInputSpec, File, SimpleInterface, TraitedSpec, isdefined, traits
 
+from .bids import report_names, subject_report_name
 from .engine import DEFAULTS
+from .io import write_text_atomic
 
-#: The figures of a run, in page order: kind -> (title, how to read it).
+#: The figures of a run, in page order: kind (``bids.FIGURE_KINDS``, which names the files) -> (title, how
+#: to read it).
 FIGURES = {
     "slices": ("Input, denoised, residual",
                "One volume (named in the title) through the centre of the image in three planes, neurological "
@@ -566,7 +569,6 @@ def write_subject_report(output_dir, subject) -> Path | None:
     denoised run's sidecar and the figures that exist for it. Returns its path (None when no run has
     figures)."""
     from . import __version__
-    from .bids import report_names, subject_report_name, write_text_atomic
 
     output_dir = Path(output_dir)
     runs = []

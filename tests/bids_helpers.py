@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mppca_nipype.bids import validate
-from mppca_nipype.demo import write_gradients, write_json, write_raw_description, write_series
+from mppca_nipype.demo import write_gradients, write_raw_description, write_series
+from mppca_nipype.io import write_json_atomic
 from mppca_nipype.phantoms import dwi_phantom, low_rank_phantom
 
 SHAPE = (10, 10, 8)
@@ -28,7 +29,7 @@ def make_dataset(root, subjects=("01", "02"), session="1"):
     write_raw_description(root, "tiny test dataset", subjects)
     noisy, _, bvals, bvecs = dwi_phantom(SHAPE, N_DWI, sigma=20.0, seed=1)
     write_gradients(root / "dwi", bvals, bvecs)
-    write_json(root / "task-rest_bold.json", {"TaskName": "rest", "RepetitionTime": 2.0})
+    write_json_atomic(root / "task-rest_bold.json", {"TaskName": "rest", "RepetitionTime": 2.0})
     for k, subject in enumerate(subjects):
         folder = root / f"sub-{subject}" / f"ses-{session}"
         stem = f"sub-{subject}_ses-{session}"

@@ -1,7 +1,13 @@
-"""io.staged_files: all destinations or none, and an earlier run's files as they were when a commit fails."""
+"""io: staged files (all destinations or none, and an earlier run's files as they were when a commit fails),
+atomic JSON, file locks."""
 
+import json
 import os
+from pathlib import Path
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 from mppca_nipype import io
@@ -68,3 +74,24 @@ def test_an_unwritable_destination_fails_before_the_work_with_its_label(tmp_path
         with io.staged_files([missing], what={missing: "noise map"}):
             ran.append(True)
     assert not ran
+
+
+def test_json_is_written_atomically_with_numpy_values_and_paths_converted(tmp_path):
+    destination = tmp_path / "provenance.json"
+    destination.write_text("earlier")
+    io.write_json_atomic(destination, {"sigma": np.float32(2.5), "rank": np.arange(3), "file": Path("a/b.nii"),
+                                       "extent": (7, 7, 7)})
+    assert json.loads(destination.read_text()) == {"sigma": 2.5, "rank": [0, 1, 2], "file": "a/b.nii",
+                                                   "extent": [7, 7, 7]}
+    assert [p.name for p in tmp_path.iterdir()] == ["provenance.json"]  # no temporary left
+
+
+def test_a_held_lock_refuses_another_process_that_will_not_wait(tmp_path):
+    """fcntl locks belong to a process: the second holder must be another one."""
+    lock = tmp_path / "locks" / "dataset.lock"
+    other = [sys.executable, "-c", "import sys; from mppca_nipype.io import file_lock\n"
+             "try:\n    with file_lock(sys.argv[1], wait=False): pass\nexcept BlockingIOError: sys.exit(3)",
+             str(lock)]
+    with io.file_lock(lock):
+        assert subprocess.run(other).returncode == 3
+    assert subprocess.run(other).returncode == 0, "the lock must go with the block's end"

@@ -13,7 +13,7 @@ import pytest
 
 from bids_helpers import validator_errors
 from mppca_nipype import denoise
-from mppca_nipype.bids import report_names, subject_report_name
+from mppca_nipype.bids import FIGURE_KINDS, report_names, subject_report_name
 from mppca_nipype.cli.bids_app import main
 from mppca_nipype.phantoms import low_rank_phantom
 from mppca_nipype.reports import (FIGURES, expected_residual_sd, marchenko_pastur_density, sample_spectra,
@@ -149,11 +149,16 @@ def test_residuals_of_pure_signal_plus_noise_scale_to_unit_variance(demean):
     assert scaled.std() == pytest.approx(1.0, abs=0.03)
 
 
+def test_each_figure_kind_the_derivative_names_know_has_a_title_and_caption_in_page_order():
+    assert tuple(FIGURES) == FIGURE_KINDS
+    assert all(title and caption for title, caption in FIGURES.values())
+
+
 def test_write_run_figures_from_python(tmp_path):
     noisy, _ = low_rank_phantom((12, 12, 10), 20, rank=3, sigma=5.0, seed=5)
     result = denoise(noisy, device="cpu", nprocs=1)
     paths = write_run_figures(noisy, result, tmp_path / "figures", zooms=(2.0, 2.0, 2.5), title="phantom")
-    assert list(paths) == list(FIGURES)
+    assert tuple(paths) == FIGURE_KINDS
     for path in paths.values():
         read_png_size(path)
 

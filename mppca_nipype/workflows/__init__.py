@@ -264,7 +264,7 @@ class _MetadataSidecar(SimpleInterface):
         import json
         from pathlib import Path
 
-        from ..bids import write_json_atomic
+        from ..io import write_json_atomic
 
         metadata = dict(self.inputs.metadata) if isdefined(self.inputs.metadata) else {}
         provenance = json.loads(Path(self.inputs.provenance_file).read_text())
