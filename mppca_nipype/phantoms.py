@@ -1,8 +1,9 @@
 """Synthetic series with a known ground truth, for examples, tests and benchmarks (no download needed).
 
-``low_rank_phantom`` is the seed pipeline's problem (a rank-P signal on a baseline near 1000);
-``dwi_phantom`` is a head-shaped diffusion-weighted series from a three-compartment tensor model, with
-b-values and gradient directions, so that its signal is low rank only approximately, as real data are.
+``low_rank_phantom`` is a rank-P signal on a baseline near 1000 plus Gaussian noise (the benchmarks'
+``lowrank`` phantom); ``dwi_phantom`` is a head-shaped diffusion-weighted series from a three-compartment
+tensor model, with b-values and gradient directions, so that its signal is low rank only approximately, as
+real data are.
 """
 
 from __future__ import annotations
