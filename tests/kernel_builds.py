@@ -2,7 +2,7 @@
 
     python tests/kernel_builds.py [CAPABILITY ...]      (default: 80 90)
 
-The launchers (``kernels.gram``, ``TridiagonalEigh.values``, ...) run on CPU tensors with Triton's launch
+The launchers (``gram.gram``, ``TridiagonalEigh.values``, ...) run on CPU tensors with Triton's launch
 replaced by a recorder; each recorded launch (kernel, arguments, compile-time constants, warps) is then
 compiled by Triton's own compiler (to PTX and, with the ptxas Triton ships, to a cubin) for each capability.
 The interpreter, which runs the kernels' arithmetic in CI, accepts programs the compiler refuses; this is
@@ -67,14 +67,17 @@ def build(kernel, values, options, capability):
 
 
 def cases():
-    """(name, call) for each kernel variant the pipeline launches: every demeaning, tile-product precision
-    and Gram precision of the fused kernels; the tridiagonal kernels in float32 and float64, with and
-    without the rank-one term, with one projector launch and with a 16-lane one, at m = 48 and 128; the
-    threshold kernel for each estimator, with and without the settling test; the box sums' kernels for each
-    tile-product precision; the float64 Gram and tridiagonal kernels with a count (the settling pass chosen
-    on the device); the division of the sums by their weights."""
-    from mppca_nipype.engine.gpu import kernels
+    """(name, call) for each kernel variant the pipeline launches: every demeaning and Gram precision of the
+    fused kernels; the tridiagonal kernels in float32 and float64, with and without the rank-one term, at
+    m = 48 (a 16-lane projector launch and a full one) and 128; the threshold kernel for each estimator, with
+    and without the settling test; the box sums' kernels; the float64 Gram and tridiagonal kernels with a
+    count (the settling pass chosen on the device) and the reconstruction reading its float64 projectors;
+    the division of the sums by their weights; the choice of the windows a settling pass redoes."""
+    from mppca_nipype.engine.gpu import boxsums, gram, reconstruction, settling, sums as slab_sums
+    from mppca_nipype.engine.gpu.plan import plan_slabs
+    from mppca_nipype.engine.gpu.threshold import threshold_on_device
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+    from mppca_nipype.engine.patches import plan_patches
 
     n_rows, n_voxels, n_volumes, batch = 4000, 343, 48, 8
     volume, finite = torch.zeros((n_rows, n_volumes)), torch.ones(n_rows)
@@ -86,61 +89,48 @@ def cases():
     mean = torch.zeros((batch, n_volumes))
     for demean in ("none", "voxel", "volume"):
         volume_mean = mean if demean == "volume" else None
-        for dtype, dots in ((torch.float32, kernels.DOT_PRECISIONS), (torch.float64, ("ieee",))):
-            for dot in dots:
-                yield (f"gram {demean} {str(dtype)[6:]} {dot}",
-                       lambda d=demean, t=dtype, p=dot: kernels.gram(volume, finite, base, offsets, demean=d,
-                                                                     dtype=t, dot_precision=p))
+        for dtype in (torch.float32, torch.float64):
+            yield (f"gram {demean} {str(dtype)[6:]}",
+                   lambda d=demean, t=dtype: gram.gram(volume, finite, base, offsets, demean=d, dtype=t))
         yield (f"gram {demean} float64 counted",  # the settling pass chosen on the device
-               lambda d=demean: kernels.gram(volume, finite, base, offsets, demean=d, dtype=torch.float64,
-                                             count=torch.tensor(3)))
-        for dot in kernels.DOT_PRECISIONS:
-            yield (f"reconstruct_accumulate {demean} {dot}",
-                   lambda d=demean, p=dot, v=volume_mean: kernels.reconstruct_accumulate(
-                       volume, finite, base, offsets, projector, *patch, *sums, demean=d, volume_mean=v,
-                       dot_precision=p))
-        yield (f"reconstruct_accumulate {demean} float64 projector",  # a settling pass's
-               lambda d=demean, v=volume_mean: kernels.reconstruct_accumulate(
-                   volume, finite, base, offsets, projector.double(), *patch, *sums, demean=d, volume_mean=v))
+               lambda d=demean: gram.gram(volume, finite, base, offsets, demean=d, dtype=torch.float64,
+                                          count=torch.tensor(3)))
+        for precision in (torch.float32, torch.float64):  # float64: a settling pass's projectors
+            yield (f"reconstruct_accumulate {demean} {str(precision)[6:]} projector",
+                   lambda d=demean, v=volume_mean, p=precision: reconstruction.reconstruct_accumulate(
+                       volume, finite, base, offsets, projector.to(p), *patch, *sums, demean=d, volume_mean=v))
         yield (f"reconstruct_centres {demean}",
-               lambda d=demean, v=volume_mean: kernels.reconstruct_centres(
+               lambda d=demean, v=volume_mean: reconstruction.reconstruct_centres(
                    volume, torch.zeros(batch, dtype=torch.int64), torch.arange(batch, dtype=torch.int32),
                    projector, *patch, *sums, demean=d, volume_mean=v))
-    tridiagonal = ((48, torch.float32, False, 0, False), (48, torch.float32, True, 0, False),
-                   (48, torch.float32, True, 16, False), (48, torch.float64, False, 0, False),
-                   (48, torch.float64, False, 16, False), (128, torch.float32, False, 0, False),
-                   (48, torch.float64, False, 16, True))  # m, dtype, rank-one term, lanes, counted
-    for m, dtype, rank_one, lanes, counted in tridiagonal:
-        def eigen_step(m=m, dtype=dtype, rank_one=rank_one, lanes=lanes, counted=counted):
-            solver = TridiagonalEigh("cpu", lanes=lanes)
+    tridiagonal = ((48, torch.float32, False, False), (48, torch.float32, True, False),
+                   (48, torch.float64, False, False), (128, torch.float32, False, False),
+                   (48, torch.float64, False, True))  # m, dtype, rank-one term, counted
+    for m, dtype, rank_one, counted in tridiagonal:
+        def eigen_step(m=m, dtype=dtype, rank_one=rank_one, counted=counted):
+            solver = TridiagonalEigh("cpu")
             extra = dict(rank_one=(torch.zeros((batch, m)), torch.zeros(batch))) if rank_one else {}
             if counted:
                 extra["count"] = torch.tensor(3)
             solver.values(torch.zeros((batch, m, m), dtype=dtype), **extra)
             solver.projector(torch.ones(batch, dtype=torch.int32))
-        yield (f"tridiagonal m={m} {str(dtype)[6:]} rank_one={rank_one} lanes={lanes} counted={counted}",
-               eigen_step)
-    yield "divide rows", lambda: kernels.divide_rows(*sums, slice(5, n_rows))
-    yield "choose windows", lambda: kernels.choose_windows(torch.zeros(40, dtype=torch.int32),
-                                                           torch.zeros(40, dtype=torch.bool),
-                                                           torch.zeros(50, dtype=torch.int64),
-                                                           torch.ones(50, dtype=torch.float64), 3)
-    from mppca_nipype.engine.gpu.threshold import threshold_on_device
-    from mppca_nipype.engine.gpu import boxsums
-    from mppca_nipype.engine.gpu.pipeline import plan_slabs
-    from mppca_nipype.engine.patches import plan_patches
-
+        yield f"tridiagonal m={m} {str(dtype)[6:]} rank_one={rank_one} counted={counted}", eigen_step
+    yield "divide rows", lambda: slab_sums.divide_rows(*sums, slice(5, n_rows))
+    yield "choose windows", lambda: settling.choose_windows(torch.zeros(40, dtype=torch.int32),
+                                                            torch.zeros(40, dtype=torch.bool),
+                                                            torch.zeros(50, dtype=torch.int64),
+                                                            torch.ones(50, dtype=torch.float64), 3)
     shape = (14, 12, 20)
     everywhere = torch.ones(shape, dtype=torch.bool).numpy()
     plan = plan_patches(shape, (11, 11, 11), 3, everywhere, everywhere)
     box_volume = torch.zeros((14 * 12 * 20, n_volumes))
     box_sums = (torch.zeros((14 * 12 * 20, n_volumes)),) + tuple(torch.zeros(14 * 12 * 20) for _ in range(3))
-    for dot in kernels.DOT_PRECISIONS:
-        def box(dot=dot):
-            sums = boxsums.BoxSums(plan, plan_slabs(plan, 14)[0], n_volumes, "cpu", dict(gram=dot, apply=dot))
-            sums.gram(box_volume)
-            sums.accumulate(box_volume, *box_sums)
-        yield f"box sums {dot}", box
+
+    def box():
+        windows = boxsums.BoxSums(plan, plan_slabs(plan, 14)[0], n_volumes, "cpu")
+        windows.gram(box_volume)
+        windows.accumulate(box_volume, *box_sums)
+    yield "box sums", box
 
     values, voxels = torch.zeros((batch, 48), dtype=torch.float64), torch.full((batch,), 343)
     for estimator in ("exp2", "exp1"):

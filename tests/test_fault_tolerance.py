@@ -239,7 +239,7 @@ def _gpu_backend_out_of_memory(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(engine, "check_device", lambda device: "cpu" if device == "cpu" else "cuda")
-    monkeypatch.setattr(engine, "_backend", lambda device, options: denoise_cpu if device == "cpu" else denoise_gpu)
+    monkeypatch.setattr(engine, "_backend", lambda device: denoise_cpu if device == "cpu" else denoise_gpu)
     return tried
 
 
@@ -300,7 +300,7 @@ def test_the_cpu_run_after_gpu_out_of_memory_gives_the_gpu_slot_back_first(bids_
         return denoise_cpu(*args, **kwargs)
 
     monkeypatch.setattr(engine, "check_device", lambda device: "cpu" if device == "cpu" else "cuda")
-    monkeypatch.setattr(engine, "_backend", lambda device, options: cpu_backend if device == "cpu" else denoise_gpu)
+    monkeypatch.setattr(engine, "_backend", lambda device: cpu_backend if device == "cpu" else denoise_gpu)
     outputs, provenance = run_node(tmp_path, bids_dir / RUNS[0], use_gpu=True)
     assert free == {"during the GPU run": False, "during the CPU run": True}
     assert provenance["Backend"] == "cpu" and provenance["GPUSlot"]["Device"] == "GPU-fake"

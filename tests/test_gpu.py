@@ -1,4 +1,4 @@
-"""The GPU engine on a CUDA device against the CPU backend, for every option (issue 3's acceptance):
+"""The GPU engine on a CUDA device against the CPU backend, for every option (the engine's tolerances):
 denoised series within 1e-4 rms (relative), ranks equal in at least 99.5% of patches.
 
 Marked ``gpu``; skipped where the GPU engine cannot run (no torch/triton, no CUDA device).
@@ -62,9 +62,9 @@ def test_patch_ranks_match_cpu(estimator, demean):
     from mppca_nipype.engine import check_data, plan_patches, resolve_options
     from mppca_nipype.engine.cpu import fit_windows
     from mppca_nipype.engine.estimators import marchenko_pastur_threshold
-    from mppca_nipype.engine.gpu import kernels
-    from mppca_nipype.engine.gpu.eigh import BatchedEigh
-    from mppca_nipype.engine.gpu.pipeline import gram_precision
+    from mppca_nipype.engine.gpu import gram as fused
+    from mppca_nipype.engine.gpu.cusolver import BatchedEigh
+    from mppca_nipype.engine.gpu.plan import gram_precision
 
     noisy, _ = low_rank_phantom((30, 28, 20), n_volumes=32, rank=5, sigma=4.0, seed=2)
     data, mask = check_data(noisy, None)
@@ -75,7 +75,7 @@ def test_patch_ranks_match_cpu(estimator, demean):
     volume = data.reshape(-1, data.shape[3])
     cpu_rank = fit_windows(volume, finite.ravel(), plan, options, slice(None)).rank
 
-    gram, n_took_part, _ = kernels.gram(
+    gram, n_took_part, _ = fused.gram(
         torch.from_numpy(volume).cuda(), torch.from_numpy(finite.ravel().astype(np.float32)).cuda(),
         torch.from_numpy(plan.window_base()).cuda(), torch.from_numpy(plan.voxel_offsets.astype(np.int32)).cuda(),
         demean=demean, dtype=gram_precision(options))
@@ -117,9 +117,9 @@ def test_dwidenoise_mode_on_a_large_baseline_matches_cpu(monkeypatch):
     gpu, _ = compare(noisy, **options)
     assert gpu.info["gram_precision"] == "float32" and gpu.info["mean_taken_apart"]
     assert gpu.info["eigensolver"].startswith("triton tridiagonal")
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import plan
 
-    monkeypatch.setattr(pipeline, "takes_mean_apart", lambda *args: False)
+    monkeypatch.setattr(plan, "takes_mean_apart", lambda *args: False)
     gpu, _ = compare(noisy, **options)
     assert gpu.info["gram_precision"] == "float64" and not gpu.info["mean_taken_apart"]
 
@@ -184,7 +184,7 @@ def test_the_gpu_returns_values_divided_on_the_device():
 def test_cusolver_eigensolver_matches_numpy():
     import torch
 
-    from mppca_nipype.engine.gpu.eigh import BatchedEigh
+    from mppca_nipype.engine.gpu.cusolver import BatchedEigh
 
     solver = BatchedEigh("cuda")
     assert solver.backend == "cusolverDnXsyevBatched"
@@ -230,11 +230,11 @@ def test_tridiagonal_eigensolver_matches_numpy(m):
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float64"])
-def test_the_approximate_reciprocal_gives_the_eigenvalues_and_projectors_of_ieee_division(monkeypatch,
-                                                                                          dtype_name):
-    """``tridiagonal.APPROXIMATE_RECIPROCAL`` (inline PTX, so only here on the device): the eigenvalues of
-    IEEE's division to a few roundings of the largest and LAPACK's to the precision's, the projectors of
-    IEEE's division, for one launch, a counted launch (a settling pass's) and several shifts per count."""
+def test_the_compiled_tridiagonal_kernels_divide_by_the_hardwares_reciprocal_to_lapacks_precision(dtype_name):
+    """Compiled, the Sturm counts and the inverse iteration multiply by the hardware's approximate reciprocal
+    (float64: refined by Newton steps) instead of dividing: on seed-like patches the eigenvalues are LAPACK's
+    to the precision's rounding of the largest, in a whole launch and in a counted one (a settling pass's:
+    its own warps and two shifts a count), and the projectors agree between the two."""
     import torch
 
     from mppca_nipype.engine.gpu import tridiagonal
@@ -246,20 +246,17 @@ def test_the_approximate_reciprocal_gives_the_eigenvalues_and_projectors_of_ieee
     matrices = a @ a.transpose(0, 2, 1)
     want = np.linalg.eigvalsh(matrices)
     ranks = torch.tensor(rng.choice([0, 5], size=300), device="cuda")  # cuts at the wide gaps
-    eps = torch.finfo(dtype).eps
-    for settings in (dict(), dict(count=torch.tensor(200, device="cuda")), dict(shifts=2)):
-        results = []
-        for approximate in (False, True):
-            monkeypatch.setattr(tridiagonal, "APPROXIMATE_RECIPROCAL", approximate)
-            solver = tridiagonal.TridiagonalEigh("cuda", shifts=settings.get("shifts"))
-            values, _ = solver.values(torch.tensor(matrices, dtype=dtype, device="cuda"), count=settings.get("count"))
-            results.append((values.double().cpu().numpy(), solver.projector(ranks).double().cpu().numpy()))
-        (values, projector), (fast_values, fast_projector) = results
-        solved = slice(0, 200 if "count" in settings else 300)
-        scale = np.abs(want).max()
-        assert np.abs(fast_values - values)[solved].max() <= 4 * eps * scale, settings
-        assert np.abs(fast_values - want)[solved].max() <= 8 * m * eps * scale, settings
-        assert np.abs(fast_projector - projector)[solved].max() <= 100 * m * eps, settings
+    eps, scale = torch.finfo(dtype).eps, np.abs(want).max()
+    results = []
+    for count in (None, torch.tensor(200, device="cuda")):
+        solver = tridiagonal.TridiagonalEigh("cuda")
+        values, _ = solver.values(torch.tensor(matrices, dtype=dtype, device="cuda"), count=count)
+        results.append((values.double().cpu().numpy()[:200], solver.projector(ranks).double().cpu().numpy()[:200]))
+    (values, projector), (counted, counted_projector) = results
+    assert np.abs(values - want[:200]).max() <= 8 * m * eps * scale
+    assert np.abs(counted - want[:200]).max() <= 8 * m * eps * scale
+    assert np.abs(counted - values).max() <= 8 * eps * scale
+    assert np.abs(counted_projector - projector).max() <= 100 * m * eps
 
 
 @pytest.mark.parametrize("options", [dict(extent=5, stride=2, demean="volume"),
@@ -287,35 +284,41 @@ def test_pipeline_with_the_tridiagonal_eigensolver_matches_cpu(options):
 
 
 @pytest.mark.parametrize("demean", ["voxel", "volume"])
-def test_tf32x3_products_keep_float32_accuracy(monkeypatch, demean):
-    """The Gram and reconstruction kernels with ``tl.dot(input_precision="tf32x3")`` (three TF32 tensor-core
-    products per tile; measured against "ieee" in gpu_suite part g, the reconstruction's default): the Gram
-    within 1e-5 of a float64 reference, and the whole run with both kernels so as close to the CPU as usual."""
+def test_the_reconstructions_tf32x3_products_keep_float32_accuracy(demean):
+    """The fused reconstruction multiplies X_c P with ``tl.dot(input_precision="tf32x3")`` (three TF32
+    tensor-core products a tile): its sums within 1e-6 of a float64 reference, as float32's own products."""
     import torch
 
-    from mppca_nipype.engine.gpu import kernels
+    from mppca_nipype.engine.gpu import gram, reconstruction
 
     rng = np.random.default_rng(3)
-    n_rows, n_volumes, n_voxels = 4000, 48, 343
+    n_rows, n_volumes, n_voxels, batch = 4000, 48, 343, 64
     volume = (1000 + 30 * rng.standard_normal((n_rows, n_volumes))).astype(np.float32)
     finite = np.ones(n_rows, dtype=np.float32)
     offsets = np.sort(rng.choice(n_rows // 2, size=n_voxels, replace=False)).astype(np.int32)
-    base = rng.integers(0, n_rows - offsets.max(), size=64).astype(np.int64)
-    on_device = [torch.from_numpy(a).cuda() for a in (volume, finite, base, offsets)]
-    gram, _, _ = kernels.gram(*on_device, demean=demean, dot_precision="tf32x3")
+    base = rng.integers(0, n_rows - offsets.max(), size=batch).astype(np.int64)
+    q, _ = np.linalg.qr(rng.standard_normal((batch, n_volumes, 5)))
+    projector = (q @ q.transpose(0, 2, 1)).astype(np.float32)
+    weight = rng.uniform(0.1, 1, batch).astype(np.float32)
+    on_device = [torch.from_numpy(x).cuda() for x in (volume, finite, base, offsets)]
+    _, _, volume_mean = gram.gram(*on_device, demean=demean)
+    sums = [torch.zeros((n_rows, n_volumes), device="cuda")] + [torch.zeros(n_rows, device="cuda") for _ in range(3)]
+    reconstruction.reconstruct_accumulate(*on_device, torch.from_numpy(projector).cuda(),
+                                          *(torch.from_numpy(weight).cuda(),) * 3, *sums, demean=demean,
+                                          volume_mean=volume_mean)
     patches = volume[base[:, None] + offsets[None, :]].astype(np.float64)
-    patches -= patches.mean(axis=2 if demean == "voxel" else 1, keepdims=True)
-    expected = patches.transpose(0, 2, 1) @ patches
-    assert np.linalg.norm(gram.cpu().numpy() - expected) / np.linalg.norm(expected) < 1e-5
-    monkeypatch.setattr(kernels, "DOT_PRECISION", dict(gram="tf32x3", reconstruct="tf32x3"))
-    noisy, _ = low_rank_phantom((24, 22, 16), n_volumes=48, rank=5, sigma=4.0, seed=4)
-    compare(noisy, extent=7, stride=2, aggregation="weighted", demean=demean)
+    means = patches.mean(axis=2 if demean == "voxel" else 1, keepdims=True)
+    restored = (patches - means) @ projector.astype(np.float64) + means
+    expected = np.zeros((n_rows, n_volumes))
+    np.add.at(expected, base[:, None] + offsets[None, :], restored * weight[:, None, None])
+    got = sums[0].cpu().numpy()
+    assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-6
 
 
 def test_dwidenoise_mode_in_float32_with_the_mean_taken_apart_matches_cpu():
     """No demeaning, in float32: the volume-demeaned Gram through the tridiagonal kernels with n mu mu^T as
-    a rank-one term (issue 5's way to dwidenoise's mode without float64 solves); the CPU's float64 result
-    within issue 3's tolerances, and few windows left for the float64 pass."""
+    a rank-one term (dwidenoise's mode without float64 solves); the CPU's float64 result within the engine's
+    tolerances, and few windows left for the float64 pass."""
     from mppca_nipype.engine import check_data, plan_patches, resolve_options
     from mppca_nipype.engine.gpu.pipeline import denoise_gpu
 
@@ -372,7 +375,7 @@ def seed_like(seed, shape=(40, 36, 26)):
     return data, finite, plan_patches(data.shape[:3], options.extent, options.stride, mask, finite), options
 
 
-@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("graphs", ["1", "0"])
 def test_the_seeds_geometry_runs_with_one_wait_for_the_device(monkeypatch, graphs):
     """Voxel demeaning on a full grid (box sums, tridiagonal kernels, the settling pass chosen on the
     device): nothing in ``denoise_gpu`` waits for the device but its final synchronisation (torch's sync
@@ -381,8 +384,9 @@ def test_the_seeds_geometry_runs_with_one_wait_for_the_device(monkeypatch, graph
     import torch
 
     from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu.plan import GPURun
 
-    monkeypatch.setattr(pipeline, "GRAPHS", graphs)
+    monkeypatch.setenv("MPPCA_GPU_GRAPHS", graphs)
     data, finite, plan, options = seed_like(8)
     for _ in range(2):  # builds the kernels; captures the graphs
         pipeline.denoise_gpu(data, finite, plan, options)
@@ -396,13 +400,9 @@ def test_the_seeds_geometry_runs_with_one_wait_for_the_device(monkeypatch, graph
             torch.cuda.set_sync_debug_mode("default")
     waits = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert len(waits) == 1, waits  # the final synchronisation
-    assert on_device.info["first_pass"] == ("replayed" if graphs else "queued")
-    real_settle = pipeline._PlanRun.settles_on_device
-    try:
-        pipeline._PlanRun.settles_on_device = lambda self, n_voxels, n_volumes: False
-        on_host = pipeline.denoise_gpu(data, finite, plan, options)
-    finally:
-        pipeline._PlanRun.settles_on_device = real_settle
+    assert on_device.info["first_pass"] == ("replayed" if graphs == "1" else "queued")
+    monkeypatch.setattr(GPURun, "settles_on_device", lambda self, n_volumes: False)
+    on_host = pipeline.denoise_gpu(data, finite, plan, options)
     n_settled = on_device.info["n_settled_in_float64"]
     print(f"settled {n_settled} of {plan.n_windows}")
     assert on_device.info["gram_path"] == "box" and 0 < n_settled == on_host.info["n_settled_in_float64"]
@@ -414,10 +414,10 @@ def test_the_first_pass_replays_as_cuda_graphs_on_each_runs_series(monkeypatch):
     """A geometry's first run queues its first pass, the second captures and replays it, later ones replay it:
     the same sums each time, and a replay on another series of the geometry gives that series' result (what
     the host-queued pass gives), not the captured one's."""
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import graphs, pipeline
 
-    monkeypatch.setattr(pipeline, "GRAPHS", True)
-    pipeline._FirstPassGraphs._kept.clear()
+    monkeypatch.setenv("MPPCA_GPU_GRAPHS", "1")
+    graphs.FirstPassGraphs._kept.clear()
     data, finite, plan, options = seed_like(8)
     runs = [pipeline.denoise_gpu(data, finite, plan, options) for _ in range(3)]
     assert [run.info["first_pass"] for run in runs] == ["queued", "captured", "replayed"]
@@ -427,7 +427,7 @@ def test_the_first_pass_replays_as_cuda_graphs_on_each_runs_series(monkeypatch):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-3)
     other, _, _, _ = seed_like(9)
     replayed = pipeline.denoise_gpu(other, finite, plan, options)
-    monkeypatch.setattr(pipeline, "GRAPHS", False)
+    monkeypatch.setenv("MPPCA_GPU_GRAPHS", "0")
     queued = pipeline.denoise_gpu(other, finite, plan, options)
     assert replayed.info["first_pass"] == "replayed" and queued.info["first_pass"] == "queued"
     assert replayed.info["n_settled_in_float64"] == queued.info["n_settled_in_float64"]
@@ -441,7 +441,7 @@ def test_the_estimator_and_the_settling_test_never_wait_for_the_device():
     import torch
 
     from mppca_nipype.engine.estimators import marchenko_pastur_threshold
-    from mppca_nipype.engine.gpu.pipeline import rounding_uncertainty, unsettled_ranks
+    from mppca_nipype.engine.gpu.threshold import rounding_uncertainty, threshold_on_device
 
     values = torch.rand(64, 48, device="cuda", dtype=torch.float64).sort(dim=1).values
     voxels = torch.full((64,), 125, device="cuda", dtype=torch.int32)
@@ -449,21 +449,18 @@ def test_the_estimator_and_the_settling_test_never_wait_for_the_device():
     torch.cuda.set_sync_debug_mode("error")
     try:
         rank, _ = marchenko_pastur_threshold(values, voxels, 48, "exp2")
-        unsettled_ranks(values, voxels, 48, "exp2", rank, rounding_uncertainty(values))
+        threshold_on_device(values, voxels, 48, "exp2", rounding_uncertainty(values))
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("dot", ["ieee", "tf32x3"])
-def test_box_sums_match_the_cpu_on_the_seeds_geometry(monkeypatch, dot):
-    """The box sums (``auto``'s path for voxel demeaning on a full grid) compiled, with each tile-product
-    precision: the CPU's float64 result within issue 3's tolerances at the seed's 11^3 windows, stride 3, and
-    the same denoising as the fused kernels."""
+def test_box_sums_match_the_cpu_on_the_seeds_geometry():
+    """The box sums (``auto``'s path for voxel demeaning on a full grid) compiled: the CPU's float64 result
+    within the engine's tolerances at the seed's 11^3 windows, stride 3, and the same denoising as the fused
+    kernels."""
     from mppca_nipype.engine import check_data, plan_patches, resolve_options
-    from mppca_nipype.engine.gpu import boxsums
     from mppca_nipype.engine.gpu.pipeline import denoise_gpu
 
-    monkeypatch.setattr(boxsums, "DOT_PRECISION", dict(gram=dot, apply=dot))
     noisy, _ = low_rank_phantom((40, 36, 26), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=7)
     options = dict(extent=11, stride=3, estimator="exp2", aggregation="weighted", demean="voxel")
     gpu, cpu = compare(noisy, **options)
@@ -477,5 +474,5 @@ def test_box_sums_match_the_cpu_on_the_seeds_geometry(monkeypatch, dot):
     assert box.info["gram_path"] == "box" and fused.info["gram_path"] == "fused"
     want = fused.image.astype(np.float64)
     rms = np.sqrt(np.mean((box.image - want) ** 2) / np.mean(want**2))
-    print(f"{dot}: box vs fused {rms:.2e}, ranks equal {np.mean(np.abs(box.rank - fused.rank) < 1e-3):.4f}")
+    print(f"box vs fused {rms:.2e}, ranks equal {np.mean(np.abs(box.rank - fused.rank) < 1e-3):.4f}")
     assert rms <= 1e-5 and np.mean(np.abs(box.rank - fused.rank) < 1e-3) >= 0.999

@@ -48,17 +48,33 @@ def test_kernels_under_the_interpreter_in_a_child_process():
 
 from mppca_nipype.engine import check_data, plan_patches, resolve_options  # noqa: E402
 from mppca_nipype.engine.cpu import denoise_cpu  # noqa: E402
-from mppca_nipype.engine.gpu.eigh import ProjectorFromVectors  # noqa: E402
+from mppca_nipype.engine.gpu.cusolver import BatchedEigh, ProjectorFromVectors  # noqa: E402
 from mppca_nipype.phantoms import low_rank_phantom  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The kernels module (decorated under the interpreter: see the module's docstring)."""
-    from mppca_nipype.engine.gpu import kernels as module
+    """The kernels' launchers (decorated under the interpreter: see the module's docstring)."""
+    from types import SimpleNamespace
+
+    from mppca_nipype.engine.gpu import gram, reconstruction, settling
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    return module
+    return SimpleNamespace(gram=gram.gram, reconstruct_accumulate=reconstruction.reconstruct_accumulate,
+                           reconstruct_centres=reconstruction.reconstruct_centres,
+                           choose_windows=settling.choose_windows)
+
+
+def moved_ranks_differ(values, n_voxels, n_volumes, estimator, rank, delta):
+    """The settling test's reference, on the CPU estimator: whether the rank changes when the eigenvalues
+    (B, m) move by ``delta`` (B, 1): all up, all down, spread apart, drawn together."""
+    from mppca_nipype.engine.estimators import marchenko_pastur_threshold
+
+    ramp = torch.linspace(-1.0, 1.0, values.shape[1], dtype=values.dtype)[None, :]
+    unsettled = torch.zeros(rank.shape, dtype=torch.bool)
+    for moved in (values + delta, values - delta, values + delta * ramp, values - delta * ramp):
+        unsettled |= marchenko_pastur_threshold(moved, n_voxels, n_volumes, estimator)[0] != rank
+    return unsettled
 
 
 def random_windows(rng, n_rows, n_windows, n_voxels):
@@ -86,21 +102,6 @@ def centred(patches, took, demean):
         means = (patches * took).sum(axis=1, keepdims=True) / np.maximum(took.sum(axis=1, keepdims=True), 1)
         return (patches - means) * took, means
     return patches, 0
-
-
-@interpreted
-def test_tile_products_are_ieee_or_tf32x3_and_nothing_else(kernels):
-    """The launchers pass the tile-product precision through (the interpreter computes both in float32; the
-    GPU test checks tf32x3's accuracy) and refuse others."""
-    rng = np.random.default_rng(1)
-    volume = (1000 + 30 * rng.standard_normal((300, 13))).astype(np.float32)
-    finite = np.ones(300, dtype=np.float32)
-    base, offsets = random_windows(rng, 300, 4, 37)
-    tensors = as_tensors(volume, finite, base, offsets)
-    ieee = kernels.gram(*tensors, demean="volume", dot_precision="ieee")[0]
-    np.testing.assert_allclose(kernels.gram(*tensors, demean="volume", dot_precision="tf32x3")[0], ieee, rtol=1e-6)
-    with pytest.raises(ValueError, match="dot_precision must be one of"):
-        kernels.gram(*tensors, demean="volume", dot_precision="tf32")
 
 
 @interpreted
@@ -220,8 +221,6 @@ def test_reconstruct_centres_writes_each_centre_row(kernels, demean):
 
 @interpreted
 def test_eigensolver_fallback_returns_ascending_values_and_column_vectors():
-    from mppca_nipype.engine.gpu.eigh import BatchedEigh
-
     rng = np.random.default_rng(1)
     a = rng.standard_normal((5, 11, 11))
     matrices = a @ a.transpose(0, 2, 1)
@@ -342,7 +341,7 @@ def test_a_rank_at_the_threshold_is_unsettled_and_one_far_from_it_is_not():
     signal eigenvalue sits where the estimator's answer changes is unsettled; the same window with that
     eigenvalue 1% away from there is not."""
     from mppca_nipype.engine.estimators import marchenko_pastur_threshold
-    from mppca_nipype.engine.gpu.pipeline import rounding_uncertainty, unsettled_ranks
+    from mppca_nipype.engine.gpu.threshold import rounding_uncertainty, threshold_on_device
 
     rng = np.random.default_rng(3)
     noise = rng.standard_normal((200, 30))
@@ -365,8 +364,9 @@ def test_a_rank_at_the_threshold_is_unsettled_and_one_far_from_it_is_not():
     def unsettled(scale):
         rank = marchenko_pastur_threshold(with_signal(scale), torch.tensor([200]), 30)[0]
         values = with_signal(scale)
-        return bool(unsettled_ranks(values, torch.tensor([200]), 30, "exp2", rank,
-                                    rounding_uncertainty(values, slack=10.0))[0])
+        unsettled_kernel = threshold_on_device(values, torch.tensor([200]), 30, "exp2",
+                                               rounding_uncertainty(values, slack=10.0))[2]
+        return bool(unsettled_kernel[0])
 
     assert unsettled(low) and unsettled(high)
     assert not unsettled(0.99 * low) and not unsettled(1.01 * high)
@@ -378,8 +378,6 @@ def test_refined_ends_of_the_spectrum_are_far_closer_to_float64_than_float32():
     the signal eigenvalues 10^4x closer to float64 LAPACK than float32's (measured ~10^6x) and leaves the
     bulk's ends no farther (their vectors are not resolved in float32: measured 1-2x closer, the margin
     depending on the CPU's LAPACK); and their sum stays the trace."""
-    from mppca_nipype.engine.gpu.pipeline import _TorchEigh
-
     rng = np.random.default_rng(11)
     m, block = 40, 8
     spectrum = np.concatenate([np.sort(1.0 + 0.5 * rng.random(m - 3)), [2e5, 4e5, 1e6]])
@@ -389,7 +387,7 @@ def test_refined_ends_of_the_spectrum_are_far_closer_to_float64_than_float32():
         q, _ = np.linalg.qr(rng.standard_normal((m, m)))
         matrices.append((q * spectrum) @ q.T)
     matrices = torch.from_numpy(np.stack(matrices))
-    solver = _TorchEigh("cpu")
+    solver = BatchedEigh("cpu")  # (without CUDA: torch.linalg.eigh)
     values32, info = solver.values(matrices.to(torch.float32).contiguous())
     refined, refine_info = solver.refine(matrices, block)
     exact = np.linalg.eigvalsh(matrices.numpy())
@@ -415,14 +413,14 @@ def test_refined_ends_of_the_spectrum_are_far_closer_to_float64_than_float32():
 def test_refined_gathered_runs_match_float64(kernels, monkeypatch, aggregation, stride):
     """Gathered float32 runs with a full-eigenvector solver refine the spectrum's ends in float64 (with
     blocks of 4 here, so that 14 x 14 matrices take the path) and match the float64 run."""
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import cusolver, pipeline, threshold
 
     noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=2, sigma=5.0, seed=6)
     data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
                                               aggregation=aggregation, demean="volume")
-    monkeypatch.setattr(pipeline, "REFINE_BLOCK", 4)
-    monkeypatch.setattr(pipeline, "REFINE_MIN_ORDER", 8)
-    monkeypatch.setattr(pipeline, "REFINE_GUARD", 0)
+    monkeypatch.setattr(cusolver, "REFINE_BLOCK", 4)
+    monkeypatch.setattr(cusolver, "REFINE_MIN_ORDER", 8)
+    monkeypatch.setattr(threshold, "REFINE_GUARD", 0)
     refined = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path="gather")
     in_float64 = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path="gather", precision="float64")
     assert refined.info["eigenvalues_refined"] and refined.info["gram_precision"] == "float32"
@@ -437,12 +435,12 @@ def test_refined_gathered_runs_match_float64(kernels, monkeypatch, aggregation, 
 @pytest.mark.parametrize("demean", ["voxel", "volume"])
 def test_unsettled_windows_are_redone_in_float64(kernels, monkeypatch, aggregation, stride, demean):
     """With every window unsettled, the float32 run gives what the float64 run gives."""
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import pipeline, threshold
 
     noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=3)
     data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
                                               aggregation=aggregation, demean=demean)
-    monkeypatch.setattr(pipeline, "SETTLE_SLACK", 1e12)
+    monkeypatch.setattr(threshold, "SETTLE_SLACK", 1e12)
     settled = pipeline.denoise_gpu(data, finite, plan, options, device="cpu")
     in_float64 = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", precision="float64")
     assert settled.info["gram_precision"] == "float32"
@@ -456,9 +454,7 @@ class _FaultySolver(ProjectorFromVectors):
     """torch.linalg.eigh in the pipeline's solver interface, for subclasses to make fail."""
 
     def __init__(self, device):
-        from mppca_nipype.engine.gpu.pipeline import _TorchEigh
-
-        self.inner = _TorchEigh(device)
+        self.inner = BatchedEigh(device)  # (without CUDA: torch.linalg.eigh)
         self.backend = self.inner.backend
 
     def workspace_bytes(self, batch, m, dtype):
@@ -487,15 +483,15 @@ class _SolverWithLittleMemory(_FaultySolver):
                                                        ("fused", "center", 1)])
 def test_out_of_memory_batches_are_redone_smaller_with_the_same_result(kernels, monkeypatch, path,
                                                                        aggregation, stride):
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import pipeline, plan as plan_module
 
     noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=4)
     data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
                                               aggregation=aggregation, demean="volume")
     reference = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path=path, max_batch=2,
                                      settle=False)
-    monkeypatch.setattr(pipeline, "BatchedEigh", _SolverWithLittleMemory)
-    monkeypatch.setattr(pipeline, "MIN_BATCH", 1)
+    monkeypatch.setattr(plan_module, "BatchedEigh", _SolverWithLittleMemory)
+    monkeypatch.setattr(plan_module, "MIN_BATCH", 1)
     _SolverWithLittleMemory.calls = []
     retried = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", path=path, max_batch=16,
                                    settle=False)
@@ -510,19 +506,19 @@ def test_out_of_memory_batches_are_redone_smaller_with_the_same_result(kernels, 
 
 @interpreted
 def test_out_of_memory_at_the_smallest_batch_goes_up(kernels, monkeypatch):
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import pipeline, plan as plan_module
 
     noisy, _ = low_rank_phantom((6, 5, 5), n_volumes=12, rank=2, sigma=5.0, seed=5)
     data, _, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2",
                                               aggregation="weighted", demean="volume")
-    monkeypatch.setattr(pipeline, "BatchedEigh", _SolverWithLittleMemory)
-    monkeypatch.setattr(pipeline, "MIN_BATCH", 4)
+    monkeypatch.setattr(plan_module, "BatchedEigh", _SolverWithLittleMemory)
+    monkeypatch.setattr(plan_module, "MIN_BATCH", 4)
     with pytest.raises(torch.OutOfMemoryError):
         pipeline.denoise_gpu(data, finite, plan, options, device="cpu", max_batch=16)
 
 
 def test_run_in_batches_only_retries_out_of_memory():
-    from mppca_nipype.engine.gpu.pipeline import run_in_batches
+    from mppca_nipype.engine.gpu.plan import run_in_batches
 
     def broken(a, b):
         raise RuntimeError("an illegal memory access was encountered")
@@ -541,7 +537,8 @@ def test_run_in_batches_only_retries_out_of_memory():
 def test_slabs_with_a_halo_give_what_one_slab_gives(kernels, path, aggregation, stride, planes):
     """A series cut into slabs of a few x-planes (as when it does not fit the device): the halo's sums are
     carried from slab to slab, so every voxel ends with the same values; with a mask and NaN voxels."""
-    from mppca_nipype.engine.gpu.pipeline import denoise_gpu, plan_slabs
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+    from mppca_nipype.engine.gpu.plan import plan_slabs
 
     noisy, _ = low_rank_phantom((9, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=8)
     noisy[4, 3, 1, 5] = np.nan
@@ -571,7 +568,7 @@ def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, str
     and the sums of w (X_c P + mean), w, w sigma, w rank over the windows holding each voxel, against float64
     loops over the windows (awkward T, extents, and a stride above the extent on one axis)."""
     from mppca_nipype.engine.gpu.boxsums import BoxSums
-    from mppca_nipype.engine.gpu.pipeline import plan_slabs
+    from mppca_nipype.engine.gpu.plan import plan_slabs
 
     rng = np.random.default_rng(n_volumes)
     data = (100 + 10 * rng.standard_normal(shape + (n_volumes,))).astype(np.float32)
@@ -625,11 +622,12 @@ def test_box_sums_match_float64_reference(kernels, shape, n_volumes, extent, str
 def test_box_path_gives_the_fused_kernels_result(kernels, monkeypatch, aggregation, planes):
     """Voxel demeaning on a full grid: the box sums (``auto``'s choice; in slabs too) denoise as the fused
     kernels do, the windows the settling pass redoes included (a wide slack makes it redo some)."""
-    from mppca_nipype.engine.gpu import pipeline
-    from mppca_nipype.engine.gpu.pipeline import denoise_gpu, plan_slabs
+    from mppca_nipype.engine.gpu import threshold
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+    from mppca_nipype.engine.gpu.plan import plan_slabs
 
-    monkeypatch.setattr(pipeline, "SETTLE_SLACK", 3e3)
-    monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 3e3)
+    monkeypatch.setattr(threshold, "SETTLE_SLACK", 3e3)
+    monkeypatch.setattr(threshold, "TRIDIAGONAL_SETTLE_SLACK", 3e3)
 
     noisy, _ = low_rank_phantom((9, 7, 8), n_volumes=15, rank=3, sigma=5.0, seed=12)
     data, mask, finite, plan, options = prepared(noisy, extent=(5, 3, 5), stride=2, estimator="exp2",
@@ -694,13 +692,13 @@ class _SolverThatFailsSomeWindows(_FaultySolver):
 @pytest.mark.parametrize("aggregation, stride, planes", [("weighted", 2, None), ("center", 1, None),
                                                          ("weighted", 3, 2), ("center", 1, 2)])
 def test_windows_whose_eigensolve_fails_are_redone_on_the_cpu(kernels, monkeypatch, aggregation, stride, planes):
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import pipeline, plan as plan_module
 
     noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=9)
     data, mask, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
                                                  aggregation=aggregation, demean="volume")
     cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
-    monkeypatch.setattr(pipeline, "BatchedEigh", _SolverThatFailsSomeWindows)
+    monkeypatch.setattr(plan_module, "BatchedEigh", _SolverThatFailsSomeWindows)
     gpu = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", max_batch=7, planes=planes)
     # a third failed in float32 and went to float64, where a third of those failed again
     assert gpu.info["n_settled_in_float64"] >= plan.n_windows // 3 and gpu.info["n_redone_on_cpu"] >= 2
@@ -759,37 +757,31 @@ def undemeaned_patch_grams(rng, count, n, m):
 
 
 @interpreted
-@pytest.mark.parametrize("shifts", [2, 4])
-@pytest.mark.parametrize("m, dtype, rank_one", [(21, torch.float32, False), (33, torch.float64, False),
-                                                (21, torch.float32, True)])
-def test_several_shifts_per_sturm_count_give_the_bisections_eigenvalues(shifts, m, dtype, rank_one):
-    """``shifts`` shifts per eigenvalue and count (fewer counts): on random, clustered and rank-deficient
-    matrices (and with a rank-one term) the eigenvalues of one shift a count to a rounding, LAPACK's to the
-    precision's, in ascending order; and the projectors that follow them are those of one shift a count."""
-    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+@pytest.mark.parametrize("m, dtype", [(21, torch.float32), (33, torch.float64)])
+def test_a_counted_launch_gives_the_eigenvalues_and_projectors_of_a_whole_launch(m, dtype):
+    """A counted launch (a settling pass's: ``COUNTED_LAUNCH``'s warps and two shifts a Sturm count, so fewer
+    counts) on random, clustered and rank-deficient matrices: the eigenvalues of a whole launch (one shift a
+    count) to a rounding, LAPACK's to the precision's, in ascending order, and the same projectors."""
+    from mppca_nipype.engine.gpu.tridiagonal import COUNTED_LAUNCH, TridiagonalEigh
 
-    rng = np.random.default_rng(m + shifts)
+    assert COUNTED_LAUNCH[1] > 1
+    rng = np.random.default_rng(m)
     eps = torch.finfo(dtype).eps
-    for kind in ("undemeaned",) if rank_one else ("random", "clustered", "rank-deficient"):
-        if rank_one:
-            _, matrices, direction, weight = undemeaned_patch_grams(rng, 3, 40, m)
-            ranks, exact = [1, 3, 4], None
-            extra = dict(rank_one=(torch.from_numpy(direction), torch.from_numpy(weight)))
-        else:
-            matrices, ranks = symmetric_test_matrices(kind, 3, m, rng)
-            extra, exact = {}, np.linalg.eigvalsh(matrices)
+    for kind in ("random", "clustered", "rank-deficient"):
+        matrices, ranks = symmetric_test_matrices(kind, 3, m, rng)
+        exact = np.linalg.eigvalsh(matrices)
         results = []
-        for each in (1, shifts):
-            solver = TridiagonalEigh("cpu", shifts=each)
-            values, info = solver.values(torch.from_numpy(matrices).to(dtype).clone(), **extra)
+        for count in (None, torch.tensor(3)):
+            solver = TridiagonalEigh("cpu")
+            values, info = solver.values(torch.from_numpy(matrices).to(dtype).clone(), count=count)
             results.append((values.double().numpy(), solver.projector(torch.tensor(ranks)).double().numpy()))
-        (one, projector_one), (several, projector_several) = results
-        scale = np.abs(one).max(axis=1, keepdims=True)
-        assert np.abs(several - one).max(axis=1, keepdims=True).max() <= 2 * eps * scale.max(), kind
-        assert (np.diff(several, axis=1) >= 0).all()
-        if exact is not None:
-            assert np.abs(several - exact).max() <= 8 * m * eps * scale.max()
-        np.testing.assert_allclose(projector_several, projector_one, rtol=0, atol=10 * m * eps)
+        (whole, projector_whole), (counted, projector_counted) = results
+        scale = np.abs(whole).max()
+        assert np.abs(counted - whole).max() <= 2 * eps * scale, kind
+        assert (np.diff(counted, axis=1) >= 0).all()
+        assert np.abs(counted - exact).max() <= 8 * m * eps * scale
+        np.testing.assert_allclose(projector_counted, projector_whole, rtol=0, atol=10 * m * eps)
+
 
 @interpreted
 @pytest.mark.parametrize("m", [16, 21])
@@ -822,38 +814,11 @@ def test_tridiagonal_eigensolver_takes_a_rank_one_term_apart(m):
 
 
 @interpreted
-@pytest.mark.parametrize("kind", ["random", "clustered", "rank-deficient"])
-@pytest.mark.parametrize("m", [16, 21])
-def test_the_jacobi_alternative_matches_lapack(kind, m):
-    """Issue 5's Jacobi eigensolver (``benchmarks/jacobi.py``, measured against the kept kernels in the GPU
-    suite): eigenvalues to float32's rounding of the largest, ascending, and the projector onto the leading
-    ``rank`` eigenvectors against NumPy's float64 LAPACK, clusters of equal eigenvalues included."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("jacobi", Path(__file__).parents[1] / "benchmarks" / "jacobi.py")
-    jacobi = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(jacobi)
-    rng = np.random.default_rng(m)
-    matrices, ranks = symmetric_test_matrices(kind, 3, m, rng)
-    solver = jacobi.JacobiEigh("cpu")
-    values, info = solver.values(torch.from_numpy(matrices).float())
-    projector = solver.projector(torch.tensor(ranks)).double().numpy()
-    expected_values, vectors = np.linalg.eigh(matrices)
-    eps = np.finfo(np.float32).eps
-    assert (info == 0).all() and (np.diff(values.numpy(), axis=1) >= 0).all()
-    assert np.abs(values.double().numpy() - expected_values).max() <= 8 * m * eps * np.abs(expected_values).max()
-    for b, rank in enumerate(ranks):
-        kept = vectors[b][:, m - rank:]
-        np.testing.assert_allclose(projector[b], kept @ kept.T, rtol=0, atol=40 * m * eps)
-
-
-@interpreted
 @pytest.mark.parametrize("m, dtype, rank_one", [(40, torch.float32, False), (33, torch.float64, False),
                                                 (21, torch.float32, True)])
-def test_a_low_rank_projector_launch_gives_the_projectors_of_one_launch(m, dtype, rank_one):
-    """With ``lanes`` = 16 the ranks up to 16 take a launch with 16 lanes and the others a full one; every
-    projector is the one-launch projector (each lane's solve is its own) and LAPACK's."""
+def test_the_low_rank_projector_launch_and_the_full_one_give_lapacks_projectors(m, dtype, rank_one):
+    """The ranks up to ``PROJECTOR_LANES`` take a launch with 16 lanes and the others a full one: every
+    projector is LAPACK's, to the precision's rounding over the gap at its cut."""
     from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
     rng = np.random.default_rng(m)
@@ -866,24 +831,21 @@ def test_a_low_rank_projector_launch_gives_the_projectors_of_one_launch(m, dtype
         x = rng.standard_normal((len(ranks), m, 2 * m))
         full = matrices = x @ x.transpose(0, 2, 1)
         extra = {}
-    projectors = []
-    for lanes in (0, 16):
-        solver = TridiagonalEigh("cpu", lanes=lanes)
-        solver.values(torch.from_numpy(matrices).to(dtype).clone(), **extra)  # overwritten
-        projectors.append(solver.projector(ranks).double().numpy())
+    solver = TridiagonalEigh("cpu")
+    solver.values(torch.from_numpy(matrices).to(dtype).clone(), **extra)  # overwritten
+    projector = solver.projector(ranks).double().numpy()
     eps = torch.finfo(dtype).eps
-    np.testing.assert_allclose(projectors[1], projectors[0], rtol=0, atol=10 * eps)
     exact, vectors = np.linalg.eigh(full)
     scale = np.abs(np.linalg.eigvalsh(matrices)).max(axis=1)  # ||A|| (without the rank-one term)
     for b, r in enumerate(ranks.tolist()):  # each to float32's (float64's) rounding over its gap, as LAPACK's
         gap = exact[b, m - r] - exact[b, m - r - 1] if 0 < r < m else np.inf
-        error = np.abs(projectors[1][b] - vectors[b][:, m - r:] @ vectors[b][:, m - r:].T).max()
+        error = np.abs(projector[b] - vectors[b][:, m - r:] @ vectors[b][:, m - r:].T).max()
         assert error <= 40 * m * eps + 2 * eps * scale[b] / gap, (r, error, eps * scale[b] / gap)
 
 
 def test_projectors_whose_cut_float32_cannot_resolve_are_flagged():
     """eps ||A|| / gap at the rank's cut above the limit: flagged; a wide gap, rank 0 or rank m: not."""
-    from mppca_nipype.engine.gpu.pipeline import unresolved_projectors
+    from mppca_nipype.engine.gpu.threshold import unresolved_projectors
 
     values = torch.tensor([[1.0, 2.0, 3.0, 1e4], [1.0, 2.0, 2.0 + 1e-3, 1e4], [1.0, 2.0, 2.0 + 1e-3, 1e4],
                            [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
@@ -898,7 +860,7 @@ def test_undemeaned_runs_take_the_mean_apart_where_fused_and_tridiagonal_kernels
     """float32 for dwidenoise's mode only where the fused Gram kernel and the tridiagonal kernels serve the
     patch (``auto`` picks them on CUDA for m <= 64); float64 otherwise; demeaned runs are float32 anyway."""
     from mppca_nipype.engine import resolve_options
-    from mppca_nipype.engine.gpu.pipeline import gram_precision, takes_mean_apart
+    from mppca_nipype.engine.gpu.plan import gram_precision, takes_mean_apart
 
     none, volume = (resolve_options((20, 20, 20, 48), extent=5, stride=1, estimator="exp2", aggregation="center",
                                     demean=demean) for demean in ("none", "volume"))
@@ -918,19 +880,19 @@ def test_undemeaned_runs_take_the_mean_apart_where_fused_and_tridiagonal_kernels
 def test_the_tridiagonal_kernels_settle_with_their_own_slack(kernels, monkeypatch):
     """A run with the tridiagonal kernels flags by ``TRIDIAGONAL_SETTLE_SLACK`` roundings, not
     ``SETTLE_SLACK``: at a huge slack every window is redone in float64, and gives the float64 run."""
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import pipeline, threshold
 
     noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=5)
     data, _, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2",
                                               aggregation="weighted", demean="volume")
-    monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 1e12)
+    monkeypatch.setattr(threshold, "TRIDIAGONAL_SETTLE_SLACK", 1e12)
     settled = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal")
     in_float64 = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", precision="float64",
                                       eigensolver="tridiagonal")
     assert settled.info["n_settled_in_float64"] == plan.n_windows
     np.testing.assert_allclose(settled.image, in_float64.image, rtol=1e-6, atol=1e-5)
-    monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 0.0)
-    monkeypatch.setattr(pipeline, "SETTLE_SLACK", 1e12)
+    monkeypatch.setattr(threshold, "TRIDIAGONAL_SETTLE_SLACK", 0.0)
+    monkeypatch.setattr(threshold, "SETTLE_SLACK", 1e12)
     assert pipeline.denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal"
                                 ).info["n_settled_in_float64"] < plan.n_windows
 
@@ -943,23 +905,23 @@ def test_the_settling_pass_chosen_on_the_device_redoes_what_the_host_would(kerne
     """The settling pass queued without the host (the windows to redo sorted first on the device, launches
     sized for every window whose programs past the count return) gives what the pass chosen on the host
     gives: the same windows redone, the same sums; with the box sums, and with the fused kernels in slabs."""
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import pipeline, plan as plan_module, settling, threshold
 
-    monkeypatch.setattr(pipeline, "TRIDIAGONAL_SETTLE_SLACK", 3e3)  # wide: some windows, not all, redone
+    monkeypatch.setattr(threshold, "TRIDIAGONAL_SETTLE_SLACK", 3e3)  # wide: some windows, not all, redone
     noisy, _ = low_rank_phantom((9, 7, 8), n_volumes=15, rank=3, sigma=5.0, seed=21)
     data, _, finite, plan, options = prepared(noisy, extent=(5, 3, 5), stride=2, estimator="exp2",
                                               aggregation=aggregation, demean=demean)
     run = dict(device="cpu", eigensolver="tridiagonal", path=path, planes=planes)
     parts = []  # with the box sums: each part of the first pass settled and finished in turn
-    finish_part = pipeline._PartFinishing.part
-    monkeypatch.setattr(pipeline._PartFinishing, "part", lambda self, ready, *args: (
-        parts.append((ready, self.context.box.final_planes(ready))), finish_part(self, ready, *args)))
+    finish_part = settling.PartFinishing.part
+    monkeypatch.setattr(settling.PartFinishing, "part", lambda self, ready, *args: (
+        parts.append((ready, self.windows.box.final_planes(ready))), finish_part(self, ready, *args)))
     on_device = pipeline.denoise_gpu(data, finite, plan, options, **run)
     if path == "auto":  # the upload's three rounds of rows: corners along x in two parts, planes 0-1 first
         assert parts == [(plan.n_windows // 3, 2), (plan.n_windows, 9)]
     else:
         assert parts == []
-    monkeypatch.setattr(pipeline._PlanRun, "settles_on_device", lambda self, n_voxels, n_volumes: False)
+    monkeypatch.setattr(plan_module.GPURun, "settles_on_device", lambda self, n_volumes: False)
     on_host = pipeline.denoise_gpu(data, finite, plan, options, **run)
     n_settled = on_device.info["n_settled_in_float64"]
     assert n_settled == on_host.info["n_settled_in_float64"] and 0 < n_settled < plan.n_windows
@@ -992,10 +954,10 @@ def test_the_windows_to_redo_are_chosen_on_the_device_in_order(kernels, n_window
 @interpreted
 def test_counted_launches_compute_the_first_count_windows_as_whole_launches_do(kernels):
     """``count`` (a device integer): the Gram kernel and the tridiagonal kernels give the first ``count``
-    windows what a launch without it gives (the pipeline reads nothing past the count), with the counted
-    launch's shifts a count (``COUNTED_VALUES_LAUNCH``); and the eigenvalues of one shift a count to a
-    rounding."""
-    from mppca_nipype.engine.gpu.tridiagonal import COUNTED_VALUES_LAUNCH, TridiagonalEigh
+    windows what a launch without it gives (the pipeline reads nothing past the count): the Gram exactly, the
+    eigenvalues (the counted launch takes ``COUNTED_LAUNCH``'s shifts a count) to a rounding, and so the
+    projectors."""
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
     rng = np.random.default_rng(3)
     n_rows, n_volumes, n_voxels, batch, count = 600, 12, 27, 9, 5
@@ -1012,17 +974,16 @@ def test_counted_launches_compute_the_first_count_windows_as_whole_launches_do(k
                 np.testing.assert_array_equal(got[:count].numpy(), want[:count].numpy())
     gram = whole[0]
     rank = torch.from_numpy(rng.integers(1, 6, batch))
-    expected = TridiagonalEigh("cpu", shifts=COUNTED_VALUES_LAUNCH[1] if COUNTED_VALUES_LAUNCH else None)
-    values = expected.values(gram.clone())[0]
-    projector = expected.projector(rank)
+    whole_launch = TridiagonalEigh("cpu")
+    values = whole_launch.values(gram.clone())[0]
+    projector = whole_launch.projector(rank)
     solver = TridiagonalEigh("cpu")
     got_values = solver.values(gram.clone(), count=torch.tensor(count))[0]
     got_projector = solver.projector(rank)
-    np.testing.assert_array_equal(got_values[:count].numpy(), values[:count].numpy())
-    np.testing.assert_array_equal(got_projector[:count].numpy(), projector[:count].numpy())
-    one_shift = TridiagonalEigh("cpu", shifts=1).values(gram.clone())[0]
-    scale = one_shift.abs().amax(dim=1, keepdim=True)
-    assert ((got_values - one_shift)[:count].abs() <= 2 * torch.finfo(torch.float64).eps * scale[:count]).all()
+    eps = torch.finfo(torch.float64).eps
+    scale = values.abs().amax(dim=1, keepdim=True)
+    assert ((got_values - values)[:count].abs() <= 2 * eps * scale[:count]).all()
+    np.testing.assert_allclose(got_projector[:count].numpy(), projector[:count].numpy(), rtol=0, atol=1e-10)
 
 
 @interpreted
@@ -1060,21 +1021,21 @@ def test_pipeline_with_the_tridiagonal_eigensolver_matches_cpu_backend(kernels, 
 def test_slab_planes_follow_the_free_device_memory(monkeypatch):
     """All x-planes in one slab when the series and its sums take at most a quarter of the free memory;
     else as many planes as fit (less the halo), and at least one."""
-    from mppca_nipype.engine.gpu import pipeline
+    from mppca_nipype.engine.gpu import plan as plan_module
 
     plan = plan_patches((40, 30, 20), (5, 5, 5), 2, np.ones((40, 30, 20), bool), np.ones((40, 30, 20), bool))
     whole = 40 * 30 * 20 * (8 * 100 + 20)  # bytes of series + sums at T = 100
     cuda = torch.device("cuda")
     for free, expected in ((4 * whole, 40), (2 * whole, None), (10, 1)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 10 * free))
-        planes = pipeline.slab_planes(cuda, plan, 100)
+        planes = plan_module.slab_planes(cuda, plan, 100)
         if expected is not None:
             assert planes == expected
         else:  # the budget over a plane's series, sums and next upload, less the halo (extent - 1)
             per_plane = 30 * 20 * (12 * 100 + 24)
-            assert planes == int(pipeline.MEMORY_SHARE * 2 * whole / 2 // per_plane) - 4
+            assert planes == int(plan_module.MEMORY_SHARE * 2 * whole / 2 // per_plane) - 4
             assert 1 < planes < 40
-    assert pipeline.slab_planes(torch.device("cpu"), plan, 100) == 40
+    assert plan_module.slab_planes(torch.device("cpu"), plan, 100) == 40
 
 
 def test_the_switch_interval_is_short_within_and_restored_after_the_last_overlapping_use():
@@ -1099,27 +1060,20 @@ def test_the_switch_interval_is_short_within_and_restored_after_the_last_overlap
         sys.setswitchinterval(before)
 
 
-def test_the_upload_rounds_take_their_shares_of_the_rows(monkeypatch):
-    """Equal rounds by default; with ``STAGE_SHARES`` each round its share, the last to the end; shares that
-    do not match the rounds or do not add up to 1 are refused."""
+def test_the_upload_rounds_share_the_rows_equally(monkeypatch):
+    """``STAGE_ROUNDS`` rounds of equal shares, the last to the end; one round when asked for none."""
     from mppca_nipype.engine.gpu import upload
 
     monkeypatch.setattr(upload, "STAGE_ROUNDS", 3)
     assert upload.round_bounds(1200).tolist() == [0, 400, 800, 1200]
-    monkeypatch.setattr(upload, "STAGE_SHARES", (0.45, 0.4, 0.15))
-    assert upload.round_bounds(1000).tolist() == [0, 450, 850, 1000]
-    assert upload.round_bounds(7).tolist() == [0, 3, 6, 7]
-    monkeypatch.setattr(upload, "STAGE_SHARES", (0.5, 0.5))
-    with pytest.raises(ValueError, match="3 shares"):
-        upload.round_bounds(1000)
-    monkeypatch.setattr(upload, "STAGE_SHARES", (0.5, 0.4, 0.2))
-    with pytest.raises(ValueError, match="add up to 1"):
-        upload.round_bounds(1000)
+    assert upload.round_bounds(7).tolist() == [0, 2, 4, 7]
+    monkeypatch.setattr(upload, "STAGE_ROUNDS", 0)
+    assert upload.round_bounds(7).tolist() == [0, 7]
 
 
 def test_the_box_sums_geometry_is_kept_per_geometry_and_slab_and_the_cache_stays_small(monkeypatch):
     from mppca_nipype.engine.gpu import boxsums
-    from mppca_nipype.engine.gpu.pipeline import plan_slabs
+    from mppca_nipype.engine.gpu.plan import plan_slabs
 
     monkeypatch.setattr(boxsums, "_geometries", {})
     everywhere = np.ones((14, 12, 20), bool)
@@ -1156,11 +1110,10 @@ def test_a_countdown_is_set_by_its_last_part_or_raises_a_parts_error():
 @pytest.mark.parametrize("estimator", ["exp2", "exp1"])
 @pytest.mark.parametrize("m", [12, 48])
 def test_the_threshold_kernel_decides_as_the_estimator_and_the_settling_test(estimator, m):
-    """``threshold_on_device`` (one kernel) against ``marchenko_pastur_threshold`` and ``unsettled_ranks``:
+    """``threshold_on_device`` (one kernel) against ``marchenko_pastur_threshold`` and ``moved_ranks_differ``:
     the same ranks, noise variances and unsettled windows, with voxels fewer and more than m, and windows
     near their threshold (a delta of a few percent flags some, a zero delta none)."""
     from mppca_nipype.engine.estimators import marchenko_pastur_threshold
-    from mppca_nipype.engine.gpu.pipeline import unsettled_ranks
     from mppca_nipype.engine.gpu.threshold import threshold_on_device
 
     rng = np.random.default_rng(m)
@@ -1172,29 +1125,10 @@ def test_the_threshold_kernel_decides_as_the_estimator_and_the_settling_test(est
     voxels = torch.from_numpy(n_voxels)
     rank, sigma2 = marchenko_pastur_threshold(values, voxels, m - 1, estimator)
     delta = 0.03 * values[:, -1:] * torch.from_numpy(rng.random((count, 1)))
-    expected = unsettled_ranks(values, voxels, m - 1, estimator, rank, delta)
+    expected = moved_ranks_differ(values, voxels, m - 1, estimator, rank, delta)
     got_rank, got_sigma2, unsettled = threshold_on_device(values, voxels, m - 1, estimator, delta)
     assert (got_rank == rank).all()
     np.testing.assert_allclose(got_sigma2.numpy(), sigma2.numpy(), rtol=1e-12, atol=0)
     assert (unsettled == expected).all() and 0 < int(expected.sum()) < count
     assert not threshold_on_device(values, voxels, m - 1, estimator, torch.zeros(count))[2].any()
     assert threshold_on_device(values, voxels, m - 1, estimator)[2] is None
-
-
-@interpreted
-@pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 2, "volume"), ("center", 1, "none")])
-def test_runs_with_the_threshold_kernel_give_what_the_estimator_gives(kernels, monkeypatch, aggregation, stride,
-                                                                      demean):
-    """``FUSED_THRESHOLD``: the same ranks, settled windows and denoised series as the torch estimator."""
-    from mppca_nipype.engine.gpu import pipeline
-
-    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, baseline=1000.0, seed=9)
-    data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
-                                              aggregation=aggregation, demean=demean)
-    runs = []
-    for fused in (False, True):
-        monkeypatch.setattr(pipeline, "FUSED_THRESHOLD", fused)
-        runs.append(pipeline.denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal"))
-    assert runs[1].info["n_settled_in_float64"] == runs[0].info["n_settled_in_float64"]
-    np.testing.assert_array_equal(runs[1].rank, runs[0].rank)
-    np.testing.assert_allclose(runs[1].image, runs[0].image, rtol=1e-6, atol=1e-4)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-import os
 import threading
 import warnings
 
 import numpy as np
 
+from .backend import DenoiseOptions, PatchSums, available_cpus
 from .errors import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, is_out_of_memory
 from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
@@ -54,34 +54,6 @@ class DenoiseResult:
     sigma: np.ndarray
     rank: np.ndarray
     info: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class DenoiseOptions:
-    """Validated, resolved options: what every backend receives."""
-
-    extent: tuple[int, int, int]
-    stride: int
-    estimator: str
-    aggregation: str
-    demean: str
-
-    @property
-    def demeaned(self) -> bool:
-        """Whether a mean was removed (it costs the patch one parameter in the aggregation weight)."""
-        return self.demean != "none"
-
-
-def available_cpus() -> int:
-    """CPUs this process may use: its affinity, capped by SLURM_CPUS_PER_TASK when running under SLURM."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
-    if slurm.isdigit() and int(slurm) > 0:
-        cpus = min(cpus, int(slurm))
-    return max(cpus, 1)
 
 
 def _check_choice(name, value, choices):
@@ -199,7 +171,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
             f"patches of {plan.patch_size} voxels and {t_eff} usable volumes: MP-PCA is unreliable with "
             f"fewer than {FEW_SAMPLES} of either", MPPCAWarning, stacklevel=2)
 
-    backend = _backend(device, options)
+    backend = _backend(device)
     try:
         sums = backend(data, finite, plan, options, nprocs=nprocs, progress=progress)
     except Exception as err:  # noqa: BLE001 - only the GPU running out of memory is recovered from
@@ -291,39 +263,12 @@ def check_device(device: str) -> str:
     return "cpu"
 
 
-def _backend(device: str, options: DenoiseOptions):
+def _backend(device: str):
     if check_device(device) == "cuda":
-        from . import gpu
-
-        supported = getattr(gpu, "DEMEANING", ("none", "voxel"))
-        if options.demean in supported:
-            from .gpu.pipeline import denoise_gpu
-            return denoise_gpu
-        if device == "cuda":
-            raise MPPCAInputError(f"demean '{options.demean}' is not available on the GPU yet; "
-                                  f"use one of {', '.join(supported)} or device 'cpu'")
-        warnings.warn(f"demean '{options.demean}' is not available on the GPU yet; running on the CPU",
-                      MPPCAWarning, stacklevel=3)
+        from .gpu.pipeline import denoise_gpu
+        return denoise_gpu
     from .cpu import denoise_cpu
     return denoise_cpu
-
-
-@dataclass
-class PatchSums:
-    """What a backend returns: per-voxel sums over the patches that served each voxel.
-
-    ``image`` (X*Y*Z, T), ``weight``, ``sigma``, ``rank`` (X*Y*Z,), all float64 (or float32 from the GPU).
-    For ``center`` aggregation each voxel is served by exactly one patch with weight 1, so the sums are the
-    values themselves. ``normalized``: the backend has already divided ``image``, ``sigma`` and ``rank`` by
-    ``weight`` (0 where the weight is 0), e.g. on its device; ``weight`` still says which voxels were served.
-    """
-
-    image: np.ndarray
-    weight: np.ndarray
-    sigma: np.ndarray
-    rank: np.ndarray
-    info: dict = field(default_factory=dict)
-    normalized: bool = False
 
 
 def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:

@@ -26,6 +26,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from .backend import PatchSums, available_cpus
 from .estimators import aggregation_weights, marchenko_pastur_threshold, signal_projector
 
 #: Memory one batch may use for its patch matrices (float64), per process.
@@ -279,8 +280,6 @@ def _process_context():
 
 def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     """Run the plan on the CPU and return the per-voxel sums (``engine.PatchSums``)."""
-    from . import PatchSums, available_cpus
-
     started = time.perf_counter()
     n_voxels = int(np.prod(data.shape[:3]))
     n_volumes = data.shape[3]

@@ -1,5 +1,6 @@
-"""The GPU engine: Triton kernels (``kernels``), cuSOLVER's batched eigensolver (``eigh``) and the pipeline
-that batches windows to fit the device's memory (``pipeline``).
+"""The GPU engine: Triton kernels and cuSOLVER's batched eigensolver, run slab by slab and batch by batch
+to fit the device's memory. ``pipeline.denoise_gpu`` is the backend; its docstring says which module holds
+each step (docs/gpu.md says how they work).
 
 ``usable()`` says, cheaply and without raising, whether this engine can run here.
 """
@@ -11,10 +12,7 @@ import os
 from pathlib import Path
 import sys
 
-__all__ = ["usable", "absent_reason", "visible_devices", "DEMEANING"]
-
-#: The demeaning modes this engine runs (the engine sends the others to the CPU).
-DEMEANING = ("none", "voxel", "volume")
+__all__ = ["usable", "absent_reason", "visible_devices"]
 
 
 def usable() -> str | None:

@@ -4,7 +4,7 @@ With voxel demeaning, a window's Gram is a sum over its voxels of each voxel's o
 G_W = sum_{v in W} x_v x_v^T (x_v: the voxel's centred time course), and its reconstruction adds, to each
 voxel it holds, w_W x_v P_W + w_W m_v (m_v: the voxel's mean). When the windows are boxes on a grid (stride
 > 1, every window active: ``applies``), both sums are separable along the three axes. The fused kernels
-(``kernels.gram``, ``kernels.reconstruct_accumulate``) instead compute each window's X^T X and X P from its
+(``gram.gram``, ``reconstruction.reconstruct_accumulate``) instead compute each window's X^T X and X P from its
 n voxels: 2 n T^2 multiply-adds per window each, ~49 windows over every voxel at the seed's 11^3 stride 3, and
 every output element added with an atomic.
 
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..patches import window_positions
-from . import kernels
+from .gram import block_volumes
 from .upload import to_device
 
 #: Largest T the box sums take (their T x T tiles, and the per-window buffers of T^2 floats per line).
@@ -43,12 +43,11 @@ MAX_VOLUMES = 64
 BLOCK_Q = 1024
 #: Voxels along z per program of ``_apply_kernel``.
 BLOCK_Z = 16
-#: How ``tl.dot`` multiplies in the slices' Gram and apply kernels (as ``kernels.DOT_PRECISIONS``). Measured
-#: on the H200 (suite part x, the seed's 12,600 windows, tenth session): Gram 1.25 ms with "ieee" vs 1.33
-#: with "tf32x3" (the outer products per z-window summed over y apart, the ninth session's: 1.36 / 1.51);
-#: reconstruction 1.76 ms with "ieee" vs 1.43 with "tf32x3"; the Gram 1.8e-6 from float64 and the sums
-#: 1.2e-7 from the fused kernels' either way.
-DOT_PRECISION = dict(gram="ieee", apply="tf32x3")
+#: How ``tl.dot`` multiplies in the slices' Gram kernel ("ieee": float32 products, faster there than
+#: "tf32x3") and in the apply kernel ("tf32x3": three TF32 tensor-core products, faster there); the Gram
+#: stays within 1.8e-6 of float64 and the sums within 1.2e-7 of the fused kernels' either way.
+GRAM_DOT = "ieee"
+APPLY_DOT = "tf32x3"
 
 
 @triton.jit
@@ -240,11 +239,7 @@ class BoxSums:
     The geometry's tables and the scratch are set up at construction, before the slab's (V, T) float32
     ``volume`` need be on the device (its upload runs meanwhile)."""
 
-    def __init__(self, plan, slab, n_volumes, device, dot_precision=None):
-        self.dot = dict(DOT_PRECISION, **(dot_precision or {}))  # per kernel: "gram", "apply"
-        if set(self.dot) != set(DOT_PRECISION) or not set(self.dot.values()) <= set(kernels.DOT_PRECISIONS):
-            raise ValueError(f"dot_precision maps 'gram' and 'apply' to one of {kernels.DOT_PRECISIONS}, "
-                             f"not {dot_precision!r}")
+    def __init__(self, plan, slab, n_volumes, device):
         _, ny, nz = plan.spatial_shape
         nx = slab.stop - slab.first
         self.shape, self.extent, self.n_volumes = (nx, ny, nz), plan.extent, n_volumes
@@ -284,7 +279,7 @@ class BoxSums:
             if planes > planes_done:
                 _slice_grams_kernel[(c * b * (planes - planes_done),)](
                     volume, self.windows[1][0], self.windows[2][0], self._planes, planes_done, b, c, ny, nz, m,
-                    self.extent[1], self.extent[2], self.dot["gram"], 32, *_column_blocks(m), num_warps=4)
+                    self.extent[1], self.extent[2], GRAM_DOT, 32, *_column_blocks(m), num_warps=4)
                 planes_done = planes
             corners = int(np.searchsorted(self.x_corner_ends, planes, side="right"))
             if corners > corners_done:
@@ -345,8 +340,8 @@ class BoxSums:
             x1 = min(x0 + step, stop_plane)
             _apply_kernel[(triton.cdiv(nz, BLOCK_Z) * (x1 - x0) * ny,)](
                 volume, self._lines, self.windows[2][0], *self.z_blocks, self._line_maps, image, weight, sigma, rank,
-                x0 * ny, c, width, nz, self.n_volumes, self.extent[2], DOT=self.dot["apply"], BLOCK_Z=BLOCK_Z,
-                BLOCK_T=kernels.block_volumes(self.n_volumes), num_warps=4)
+                x0 * ny, c, width, nz, self.n_volumes, self.extent[2], DOT=APPLY_DOT, BLOCK_Z=BLOCK_Z,
+                BLOCK_T=block_volumes(self.n_volumes), num_warps=4)
             if on_final is not None:
                 on_final(x1 * ny * nz)
 

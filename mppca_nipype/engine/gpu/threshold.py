@@ -1,15 +1,19 @@
-"""The Marchenko-Pastur threshold and the settling test in one Triton kernel, one program per window.
+"""The Marchenko-Pastur threshold on the device, and how sure a float32 run can be of the rank it gives.
 
-``estimators.marchenko_pastur_threshold`` on torch tensors is ~25 elementwise and scan launches over the
-batch, and ``pipeline.unsettled_ranks`` runs it four more times on moved eigenvalues: ~125 launches per
-batch, 20.6 ms of device time in dwidenoise's mode (372,416 windows in 24 batches; fifth session's
-profile). Here each program holds its window's m eigenvalues in registers and decides the rank, the noise
-variance and, given the eigenvalues' uncertainty ``delta``, whether the rank is settled, in one launch.
+``threshold_on_device``: one Triton program per window holds its m eigenvalues in registers and decides the
+rank, the noise variance and, given the eigenvalues' uncertainty ``delta``, whether the rank is settled: the
+rank under the eigenvalues moved by ``delta`` (all up, all down, spread apart, drawn together) stays the
+same. One launch instead of ~125 torch launches over the batch for the estimator and its four moved copies.
+Same arithmetic as ``estimators.marchenko_pastur_threshold`` (the CPU's code and the tests' reference), in
+float64; the cumulative sum is a scan here and a sequential sum there, so a window whose test is a tie to
+the last rounding may land on the other side (the settling test flags such windows anyway when ``delta`` > 0).
 
-Same arithmetic as ``marchenko_pastur_threshold`` (which stays the reference and the CPU's code), in float64;
-the cumulative sum is a scan here and a sequential sum there, so a window whose test is a tie to the last
-rounding may land on the other side (the settling test flags such windows anyway when ``delta`` > 0).
-The default (``pipeline.FUSED_THRESHOLD``): dwidenoise's mode 181 -> 160 ms on the H200 (sixth session).
+The settling criteria. The rank test is a comparison, and a window whose margin is below float32's error on
+its Gram (~eps lambda_max) can land on either side of it; one such flip in a small phantom is 1e-4 of rms
+difference from the float64 CPU path. A float32 first pass therefore flags the windows whose rank would
+change if the eigenvalues moved by a few float32 roundings of the largest (``rounding_uncertainty``: the slack
+depends on the eigensolver), and, with the patch's mean taken apart, those whose projector float32 cannot
+resolve (``unresolved_projectors``); ``settling`` redoes them in float64.
 """
 
 from __future__ import annotations
@@ -19,6 +23,27 @@ import triton
 import triton.language as tl
 
 from ..estimators import ESTIMATORS
+
+#: How far (in float32 roundings of the largest eigenvalue) the eigenvalues may move before a window's rank
+#: counts as unsettled in float32 and is redone in float64: cuSOLVER's XsyevBatched (its float32 eigenvalues
+#: err by up to ~12 roundings of the largest on the seed's windows).
+SETTLE_SLACK = 10.0
+#: ``SETTLE_SLACK`` for the tridiagonal kernels' eigenvalues (their errors on the seed's windows: a median 1.2
+#: and at most 7.7 roundings on any eigenvalue, 0.6 on the smallest; at 0.5 no window whose rank differs from
+#: float64's goes unflagged, at 3 they flag 3.4% / 0.6% of the windows with voxel / volume demeaning).
+TRIDIAGONAL_SETTLE_SLACK = 3.0
+#: ``SETTLE_SLACK`` for eigenvalues refined in float64 (``cusolver.ProjectorFromVectors.refine``: their error
+#: is far below a float32 rounding of the largest).
+REFINED_SETTLE_SLACK = 0.1
+#: A refined window whose rank reaches its refined block less this many is decided outside that block:
+#: unsettled.
+REFINE_GUARD = 8
+#: Undemeaned float32 runs (the mean taken apart): a window whose kept and dropped eigenvalues are closer
+#: than float32 can separate, eps ||A|| / gap above this, is redone in float64 (the tridiagonal kernels'
+#: projector errs by up to ~0.6 times that ratio; a mixing of kept and dropped noise-level vectors by 1e-2
+#: moves a voxel by ~1e-2 of the noise). dwidenoise's mode on 96x96x48x48: 4.8e-7 from float64 at 1e-2 and
+#: with no limit, 1.7e-7 at 1e-5 but with 88% of the windows redone.
+PROJECTOR_GAP_LIMIT = 1e-2
 
 
 @triton.jit
@@ -74,8 +99,9 @@ def _threshold_kernel(values_ptr, n_voxels_ptr, delta_ptr, rank_ptr, sigma2_ptr,
 
 def threshold_on_device(values, n_voxels, n_volumes: int, estimator: str, delta=None):
     """``marchenko_pastur_threshold(values, n_voxels, n_volumes, estimator)`` and, with ``delta`` ((B, 1) or
-    (B,)), ``pipeline.unsettled_ranks`` for it, in one launch: (rank int64, sigma2 float64, unsettled bool
-    or None), all (B,). ``values`` (B, m) ascending; ``n_voxels`` (B,) integers; ``n_volumes`` a number."""
+    (B,)), whether each rank is unsettled (it changes when the eigenvalues move by ``delta``), in one launch:
+    (rank int64, sigma2 float64, unsettled bool or None), all (B,). ``values`` (B, m) ascending;
+    ``n_voxels`` (B,) integers; ``n_volumes`` a number."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
     if values.ndim != 2:
@@ -92,3 +118,22 @@ def threshold_on_device(values, n_voxels, n_volumes: int, estimator: str, delta=
                                     int(n_volumes), m, BLOCK=max(16, triton.next_power_of_2(m)),
                                     EXP1=estimator == "exp1", SETTLE=unsettled is not None, num_warps=1)
     return rank, sigma2, None if unsettled is None else unsettled.bool()
+
+
+def rounding_uncertainty(values, slack=None, scale=None):
+    """(B, 1): ``slack`` (default ``SETTLE_SLACK``) float32 roundings of each window's ``scale`` (default:
+    its largest eigenvalue), the size of a float32 eigensolver's error on every eigenvalue (~eps ||A||)."""
+    slack = SETTLE_SLACK if slack is None else slack
+    scale = values[:, -1:].clamp(min=0) if scale is None else scale.reshape(-1, 1)
+    return slack * torch.finfo(torch.float32).eps * scale
+
+
+def unresolved_projectors(values, rank, scale, limit=None):
+    """(B,) bool: windows whose projector float32 cannot resolve, eps ``scale`` over the gap between the
+    smallest kept and the largest dropped eigenvalue above ``limit`` (default ``PROJECTOR_GAP_LIMIT``)."""
+    limit = PROJECTOR_GAP_LIMIT if limit is None else limit
+    m = values.shape[1]
+    cut = (m - rank.to(torch.int64)).clamp(1, m - 1)[:, None]
+    gap = (values.gather(1, cut) - values.gather(1, cut - 1))[:, 0]
+    unresolved = torch.finfo(torch.float32).eps * scale.reshape(-1) > limit * gap
+    return unresolved & (rank > 0) & (rank < m)

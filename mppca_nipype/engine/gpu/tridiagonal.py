@@ -4,16 +4,18 @@ all the eigenvalues, then the projector onto the leading ``rank`` eigenvectors (
 ``values`` kernel (the matrix in registers, m <= ``MAX_ORDER``):
 
 1. Householder tridiagonalisation, A <- H_k A H_k for k = 0 .. m-3 with H_k = I - u_k u_k^T, on blocks that
-   halve as the trailing block shrinks (``SHRINKING_BLOCKS``); each u_k is written over row k of the input
+   halve as the trailing block shrinks (``_householder_phases``); each u_k is written over row k of the input
    (it is no longer needed) from its block's first column on, the diagonal d and sub-diagonal e beside it.
 2. Bisection on Sturm counts of T - x I (LDL^T pivots), all m eigenvalues at once (one lane each), from
-   Gershgorin's interval down to the precision's resolution: the eigenvalues come back ascending. The
-   pivots' divisions are products with the hardware's reciprocal (``APPROXIMATE_RECIPROCAL``).
+   Gershgorin's interval down to the precision's resolution, after one count at BLOCK shifts that brackets
+   each lane's eigenvalue (multisection): the eigenvalues come back ascending. The pivots' divisions are
+   products with the hardware's reciprocal (``_reciprocal``; compiled kernels only).
 
 ``projector`` kernel, once the estimator chose each matrix's rank P:
 
-3. Inverse iteration on the tridiagonal T for the P largest eigenvalues at once (one lane each; LU
-   without pivoting, a tiny pivot replaced by eps ||T||): ``INVERSE_ITERATIONS`` solves, the columns
+3. Inverse iteration on the tridiagonal T for the P largest eigenvalues at once (one lane each, in a launch of
+   ``PROJECTOR_LANES`` lanes for ranks up to that many; LU without pivoting, a tiny pivot replaced by
+   eps ||T||): ``INVERSE_ITERATIONS`` solves, the columns
    re-orthonormalised after each (modified Gram-Schmidt from the largest eigenvalue down), so that a
    cluster of eigenvalues yields a basis of its invariant subspace rather than one vector twice.
 4. Back to the matrix's basis: y <- H_0 ... H_{m-3} y, and the projector Y Y^T (a matrix product).
@@ -41,47 +43,17 @@ MAX_ORDER = 128
 #: remove what the first left and separate the members of a cluster (measured on the H200, 12,600 48 x 48
 #: matrices: 2 solves leave 1e-4 of projector error on clustered spectra, 3 leave 6e-7, at equal time).
 INVERSE_ITERATIONS = 3
-#: Lanes of a first projector launch that serves the matrices whose rank is at most this many (16 or more,
-#: the smallest ``tl.dot`` operand; 0: one launch with a lane for every eigenvalue). The inverse iteration,
-#: its orthonormalisation and the back-transform then work on (BLOCK, LANES) instead of (BLOCK, BLOCK) (4x
-#: less at m = 48), a second launch takes the higher ranks. MP-PCA's ranks are mostly far below 16
-#: (dwidenoise's mode: 1-6). Measured on the H200 (sixth session, suite parts w and b): 12,600 matrices
-#: 48 x 48, float32, 1 warp: 2.03 -> 0.65 ms (m = 64: 2.39 -> 0.96; float64: 4.79 -> 1.98); dwidenoise's mode
-#: 96x96x48x48: 181 -> 142 ms host to host, projectors equal to one launch's within 1e-5.
+#: Lanes of the projector launch that serves the matrices whose rank is at most this many (the smallest
+#: ``tl.dot`` operand): the inverse iteration, its orthonormalisation and the back-transform then work on
+#: (BLOCK, LANES) instead of (BLOCK, BLOCK), 4x less at m = 48; a second launch takes the higher ranks.
+#: MP-PCA's ranks are mostly far below 16 (dwidenoise's mode: 1-6).
 PROJECTOR_LANES = 16
-#: The bisection's first log2(BLOCK + 1) halvings replaced by one Sturm count at BLOCK shifts spread over
-#: Gershgorin's interval, each lane's eigenvalue then bracketed by the shifts around it (not with a rank-one
-#: term, whose lanes start at the matrix's scale). Measured on the H200 (ninth session, suite part w, 12,600
-#: matrices 48 x 48, float32): values 2.24 -> 2.13 ms, the same eigenvalues' errors; unrolling the count's
-#: loop over the rows instead was slower (2.72 ms; float64: 0.62 -> 0.56 ms on 437 matrices).
-MULTISECTION = True
-#: Householder on blocks that halve as the trailing block shrinks (the steps of the columns from m - BLOCK/2
-#: on take a (BLOCK/2, BLOCK/2) block, loaded from memory, and so on down to 16 x 16) instead of every step
-#: on the whole (BLOCK, BLOCK) block: at m = 48, 16 steps on 64 x 64, 16 on 32 x 32 and 14 on 16 x 16 (~45% of
-#: the elements' work).
-SHRINKING_BLOCKS = True
-#: Shifts per eigenvalue in each Sturm count of the bisection, by precision: with s of them a count splits
-#: the eigenvalue's interval in s + 1 (log2(s + 1) halvings) for s times a count's work. Pays only where
-#: more warps take the shifts and programs are few (``COUNTED_VALUES_LAUNCH``); measured on the H200
-#: (twelfth session, suite part t, IEEE division): 12,600 float32 48 x 48 matrices, values 1.38 / 1.70 /
-#: 1.74 ms with 1 / 2 / 4 shifts; 437 float64 0.54 / 0.51 / 0.60.
-SHIFTS_PER_COUNT = {torch.float32: 1, torch.float64: 1}
-#: (warps, shifts per count) of the values kernel where a count limits a launch sized for at most
-#: ``COUNTED_LAUNCH_LIMIT`` matrices (a settling pass: a few hundred of them, each program's latency the
-#: limit, not the device's throughput), or None: as other launches. Measured on the H200 (twelfth session,
-#: suite part t; float64, 150 of a launch sized for 4,200, approximate reciprocal): values 0.32 ms with
-#: (2, 1), 0.21 with (4, 2); on 437 alone (2, 1) stays faster (0.30 vs 0.37), on 12,600 by far.
-COUNTED_VALUES_LAUNCH = (4, 2)
+#: (warps, shifts per eigenvalue and Sturm count) of the values kernel in a counted launch (``values(count=...)``:
+#: a settling pass, a few hundred matrices in a launch sized for at most ``COUNTED_LAUNCH_LIMIT``), where each
+#: program's latency, not the device's throughput, is the limit: with s shifts a count splits the eigenvalue's
+#: interval in s + 1 for s times a count's work. Other launches: ``_warps`` and one shift.
+COUNTED_LAUNCH = (4, 2)
 COUNTED_LAUNCH_LIMIT = 16_384
-#: The divisions of the Sturm counts and of the inverse iteration's solves by the hardware's approximate
-#: reciprocal (float64: two Newton steps after it) instead of IEEE's division, whose float64 form is a long
-#: sequence of instructions (``_reciprocal``). Compiled kernels only: under the interpreter (TRITON_INTERPRET=1,
-#: no inline PTX) the division stays. Measured on the H200 (twelfth session, suite part t, 48 x 48): values
-#: of 12,600 float32 matrices 1.42 -> 1.16 ms, float64 9.9 -> 5.9 ms, 150 float64 ones 0.44 -> 0.27 ms, the
-#: same errors against XsyevBatched (7.4e-7 and 1.5e-15 of the largest eigenvalue); the seed's problem
-#: (part k, same run) 9.57 -> 9.09 ms. A Sturm count was bound by issuing float64 division's instructions, not
-#: by its latency: 2 shifts a count on the same warps made it slower.
-APPROXIMATE_RECIPROCAL = True
 
 
 def _bisections(dtype) -> int:
@@ -90,8 +62,9 @@ def _bisections(dtype) -> int:
 
 
 def _approximate() -> bool:
-    """Whether the kernels divide by ``_reciprocal``'s approximation (``APPROXIMATE_RECIPROCAL``, compiled)."""
-    return APPROXIMATE_RECIPROCAL and os.environ.get("TRITON_INTERPRET") != "1"
+    """Whether the kernels divide by the hardware's reciprocal (``_reciprocal``): compiled kernels only, the
+    interpreter (TRITON_INTERPRET=1) runs no inline PTX."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _log2_floor(n):
@@ -104,10 +77,11 @@ def _counts(halvings: int, shifts: int) -> int:
 
 
 def _householder_phases(m: int) -> int:
-    """Blocks the Householder steps take (``SHRINKING_BLOCKS``): the first (BLOCK, BLOCK), each next one half
-    the size (down to 16 x 16) from column m - its size on, while it leaves steps to take."""
+    """Blocks the Householder steps take: the first (BLOCK, BLOCK), each next one half the size (down to
+    16 x 16) from column m - its size on, while it leaves steps to take (at m = 48: 16 steps on 64 x 64, 16 on
+    32 x 32 and 14 on 16 x 16, ~45% of the elements' work of every step on 64 x 64)."""
     phases = 1
-    while SHRINKING_BLOCKS and (_block(m) >> phases) >= 16:  # (m > BLOCK / 2: each block starts past column 0)
+    while (_block(m) >> phases) >= 16:  # (m > BLOCK / 2: each block starts past column 0)
         phases += 1
     return phases
 
@@ -117,12 +91,9 @@ def _block(m: int) -> int:
 
 
 def _warps(m: int, dtype) -> int:
-    """One warp for float32 matrices up to 64 x 64 (its reductions need no shared memory or barrier:
-    measured on the H200, 12,600 matrices of 48 x 48, values 2.26 ms and projectors 2.02 ms with one warp,
-    2.98 and 3.73 with four), two for float64 ones (values 13.7 / 20.1 / 22.5 ms with 2 / 4 / 8 warps; on
-    1,500 matrices, a settling pass's size, 1.8 / 2.7 / 3.0 ms and 3.6 with one warp, whose 64 x 64 float64
-    tile does not fit its registers); otherwise enough warps that the (BLOCK, BLOCK) matrix takes about 32
-    registers' worth a thread."""
+    """One warp for float32 matrices up to 64 x 64 (its reductions need no shared memory or barrier), two for
+    float64 ones (one warp's registers do not hold a 64 x 64 float64 tile); otherwise enough warps that the
+    (BLOCK, BLOCK) matrix takes about 32 registers' worth a thread (docs/gpu.md, "Tuning constants")."""
     if _block(m) <= 64:
         return 1 if dtype == torch.float32 else 2
     elements = _block(m) ** 2 * (2 if dtype == torch.float64 else 1)
@@ -219,8 +190,8 @@ def _count_below(d_ptr, e_ptr, matrix, shift, pivot_floor, m: tl.constexpr, APPR
 @triton.jit
 def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, count_ptr, m: tl.constexpr,
                    BLOCK: tl.constexpr, FP64: tl.constexpr, BISECTIONS: tl.constexpr, RANK_ONE: tl.constexpr,
-                   COUNTED: tl.constexpr, MULTISECTION: tl.constexpr = False, PHASES: tl.constexpr = 1,
-                   SHIFTS: tl.constexpr = 1, APPROXIMATE: tl.constexpr = False):
+                   COUNTED: tl.constexpr, MULTISECTION: tl.constexpr, PHASES: tl.constexpr, SHIFTS: tl.constexpr,
+                   APPROXIMATE: tl.constexpr):
     matrix = tl.program_id(0).to(tl.int64)
     if COUNTED:  # only the first *count_ptr matrices are asked for
         if matrix >= tl.load(count_ptr):
@@ -262,7 +233,7 @@ def _values_kernel(a_ptr, d_ptr, e_ptr, values_ptr, direction_ptr, weight_ptr, c
     tl.debug_barrier()
 
     # 2. bisection: lane j converges on the j-th smallest eigenvalue (the device runs enough programs at once
-    #    that the division's latency is hidden: counting by quarters, 3 counts for 2 bits, measured slower)
+    #    that a count's latency is hidden; a counted launch runs few, and takes SHIFTS shifts a count)
     radius = tl.abs(below) + tl.abs(above)
     low = tl.min(tl.where(rows < m, diagonal - radius, float("inf")), axis=0)
     high = tl.max(tl.where(rows < m, diagonal + radius, -float("inf")), axis=0)
@@ -424,16 +395,14 @@ class TridiagonalEigh:
     with what the projector needs and returns the eigenvalues (B, m) ascending and ``info`` (B,) int32
     (always 0: bisection cannot fail to converge); ``solver.projector(rank)`` then returns the (B, m, m)
     projectors onto the ``rank`` (B,) leading eigenvectors. Bisection steps: enough to shrink Gershgorin's
-    interval to the precision's rounding (``_bisections``: float32 27, float64 56).
+    interval to the precision's rounding (``_bisections``: float32 27, float64 56), less the halvings the
+    first count's multisection stands for.
     """
 
     backend = "triton tridiagonal (Householder + bisection + inverse iteration)"
 
-    def __init__(self, device, warps=None, lanes=None, shifts=None):
+    def __init__(self, device):
         self.device = torch.device(device)
-        self.warps = warps  # warps per program (default ``_warps``; for benchmarks)
-        self.lanes = lanes  # lanes of the low-rank projector launch (default ``PROJECTOR_LANES``)
-        self.shifts = shifts  # shifts per eigenvalue and Sturm count (default ``SHIFTS_PER_COUNT``)
         self._state = None
 
     def workspace_bytes(self, batch, m, dtype):
@@ -449,8 +418,8 @@ class TridiagonalEigh:
         number added to d_0, so a huge rho (an undemeaned patch's mean, ``pipeline``) costs the other
         eigenvalues no precision: they come out to a rounding of ``matrices``' scale, not of rho's.
         ``count`` (a device integer tensor of one element): only the first ``count`` matrices are solved
-        (here and by ``projector``), the rest left unwritten; such a launch takes ``COUNTED_VALUES_LAUNCH``'s
-        warps and shifts a count unless the solver was given its own."""
+        (here and by ``projector``), the rest left unwritten; such a launch takes ``COUNTED_LAUNCH``'s warps and
+        shifts a count."""
         if matrices.ndim != 3 or matrices.shape[1] != matrices.shape[2] or not matrices.is_contiguous():
             raise ValueError("matrices must be a contiguous (B, m, m) tensor")
         if matrices.dtype not in (torch.float32, torch.float64):
@@ -469,11 +438,10 @@ class TridiagonalEigh:
             if direction.shape != (batch, m) or weight.shape != (batch,):
                 raise ValueError(f"rank_one must be ((B, m), (B,)) tensors for B={batch}, m={m}")
         # (not with a rank-one term: its lanes' intervals start at the matrix's scale, not at rho's)
-        multisection = MULTISECTION and rank_one is None
-        warps, shifts = self.warps or _warps(m, matrices.dtype), self.shifts or SHIFTS_PER_COUNT[matrices.dtype]
-        if (count is not None and COUNTED_VALUES_LAUNCH is not None and batch <= COUNTED_LAUNCH_LIMIT
-                and not (self.warps or self.shifts)):
-            warps, shifts = COUNTED_VALUES_LAUNCH
+        multisection = rank_one is None
+        warps, shifts = _warps(m, matrices.dtype), 1
+        if count is not None and batch <= COUNTED_LAUNCH_LIMIT:
+            warps, shifts = COUNTED_LAUNCH
         bisections = _counts(_bisections(matrices.dtype) - (_log2_floor(_block(m) + 1) if multisection else 0),
                              shifts)
         if batch:
@@ -492,10 +460,9 @@ class TridiagonalEigh:
         out = torch.empty((batch, m, m), dtype=matrices.dtype, device=matrices.device)
         work = torch.empty((batch, 2 * m, _block(m)), dtype=matrices.dtype, device=matrices.device)
         rank = rank.to(torch.int32).contiguous()
-        lanes = PROJECTOR_LANES if self.lanes is None else self.lanes
         # (lanes, lowest rank, highest rank) of each launch; each matrix is served by one of them
-        launches = ([(lanes, 0, lanes), (_block(m), lanes + 1, m)] if 16 <= lanes < _block(m)
-                    else [(_block(m), 0, m)])
+        launches = ([(PROJECTOR_LANES, 0, PROJECTOR_LANES), (_block(m), PROJECTOR_LANES + 1, m)]
+                    if PROJECTOR_LANES < _block(m) else [(_block(m), 0, m)])
         for launch_lanes, lowest, highest in launches if batch else ():
             _projector_kernel[(batch,)](matrices, d, e, values, rank, work, out,
                                         d if direction is None else direction, d if count is None else count, m,
@@ -503,5 +470,5 @@ class TridiagonalEigh:
                                         SOLVES=INVERSE_ITERATIONS, RANK_ONE=direction is not None,
                                         LOWEST_RANK=lowest, HIGHEST_RANK=highest, COUNTED=count is not None,
                                         APPROXIMATE=_approximate(),
-                                        num_warps=self.warps or _warps(m, matrices.dtype))
+                                        num_warps=_warps(m, matrices.dtype))
         return out

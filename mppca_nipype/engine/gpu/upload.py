@@ -1,23 +1,18 @@
 """The caller's series on the device: staged through page-locked memory by a few threads, in rounds.
 
 An asynchronous host-to-device copy needs page-locked host memory, and the caller's series is pageable (a
-pageable copy ran at ~8 GB/s on the H200's host: 10.5 ms for the seed's 81 MB). Measured there (eighth
-session, suite parts u and k):
-
-* Page-locking the series in place (``cudaHostRegister``; the seventh session's way) takes ~2.3 ms for the
-  81 MB and unlocking it ~1.5 ms, and while either runs every other CUDA call of the process waits (50 tiny
-  launches 0.5 -> 2.5 ms, 20 small table copies 0.5 -> 2.7 ms beside it); the unlocking also waits for the
-  device to be idle.
-* The host's own copy scales with threads: 15.6 / 7.4 / 4.7 / 3.1 / 2.2 ms for the 81 MB on 1 / 2 / 4 / 8 / 16.
-* A helper thread that needs the GIL while the caller's thread runs Python waits up to the interpreter's
-  switch interval (5 ms by default): ``switching_often`` shortens it during a run.
+pageable copy runs at ~8 GB/s on the H200's host: 10.5 ms for the seed's 81 MB). Page-locking the series in
+place (``cudaHostRegister``) would take ~2.3 ms for the 81 MB and unlocking it ~1.5 ms, and while either runs
+every other CUDA call of the process waits; the unlocking also waits for the device to be idle. A host copy
+instead scales with threads (15.6 / 7.4 / 4.7 / 3.1 / 2.2 ms for the 81 MB on 1 / 2 / 4 / 8 / 16).
 
 ``StagedSeries`` copies the rows into page-locked staging memory (torch's caching host allocator, reused
 from run to run) on ``stage_threads()`` threads in ``STAGE_ROUNDS`` rounds, and the uploader thread queues
-each round's copy to the device as soon as it is staged; nothing the driver serialises runs beside the
-caller's set-up, and nothing is left to undo after the run. The seed's problem end to end (part k, one
-run, call 6): 13.9 ms page-locked, 13.0-14.1 staged; with the first pass running on each round as it
-arrives (``boxsums.BoxSums.gram_in_parts``), 11.6 ms at the session's end.
+each round's copy to the device as soon as it is staged, while the next round is copied and the first pass
+runs on the windows whose rows are there (``boxsums.BoxSums.gram_in_parts``). Nothing the driver serialises
+runs beside the caller's set-up, and nothing is left to undo after the run. A helper thread that needs the
+GIL while the caller's thread runs Python waits up to the interpreter's switch interval (5 ms by default):
+``switching_often`` shortens it during a run.
 """
 
 from __future__ import annotations
@@ -31,32 +26,21 @@ import time
 import numpy as np
 import torch
 
+from ..backend import available_cpus
+
 
 #: Threads that copy the caller's series into page-locked staging memory (``StagedSeries``): at most this
-#: many, and no more than the process may run on. Measured on the H200's host (suite part u, the seed's
-#: 81 MB alone: 15.6 / 7.4 / 4.7 / 3.1 / 2.2 ms on 1 / 2 / 4 / 8 / 16 threads); end to end (part k) 8 left
-#: the caller's thread the cores it needs: 13.0-13.6 ms with 8, 13.8-15.4 with 16.
+#: many, and no more than the process may run on. More leave the caller's thread too few cores to set the
+#: run up (the seed's problem: 13.0-13.6 ms end to end with 8, 13.8-15.4 with 16).
 STAGE_THREADS = 8
-#: Rounds the staging runs in: each round's copy to the device is queued as soon as it is staged, and runs
-#: while the next round is copied (and the box sums' first pass runs on the windows whose rows are there).
-#: The seed's problem (part k, best of 7 in 3 interleaved blocks): 12.3 / 12.0 / 13.2 ms in 2 / 3 / 4 rounds
-#: while each part of the first pass cost the host ~1.4 ms to queue (eighth session); with the first pass
-#: replayed as CUDA graphs (``pipeline.GRAPHS``, a launch a part), in the ninth session's two runs of part k:
-#: 12.0 / 12.1 / 11.3 / 11.2 ms in 2 / 3 / 4 / 6 rounds (call 2), 11.5 / 11.6 / 11.7 / 13.1 in 3 / 4 / 6 / 8
-#: (call 3): the device, not the host, is the limit there; 3 rounds keep each part large.
+#: Rounds the staging runs in, of equal shares of the rows: each round's copy to the device is queued as soon
+#: as it is staged, and runs while the next round is copied (and the box sums' first pass runs on the windows
+#: whose rows are there). With the first pass replayed as CUDA graphs the device, not the host, is the limit;
+#: 3 rounds keep each part of the first pass large.
 STAGE_ROUNDS = 3
-#: Each round's share of the rows (``STAGE_ROUNDS`` numbers that add up to 1), or None: all rounds equal. A
-#: small first round reaches the device sooner and the first pass starts on it; measured (eleventh session,
-#: part k, 5 blocks): a first round of 10% or 15% in 3 or 4 rounds 9.66-9.88 ms against 9.77 for 3 equal
-#: rounds, within the noise; twelfth session: a small last round slower (40/40/20%: 9.77 ms, 45/40/15%:
-#: 9.94, against 9.67 in equal thirds), 15/28/28/28% in 4 rounds faster in both calls that tried it (9.41
-#: vs 9.67; 8.57 vs 8.90 ms): the next default to try, once the GPU tests have run on it.
-STAGE_SHARES = None
-
 #: The interpreter's thread switch interval (seconds) while a run's helper threads work
 #: (``switching_often``). At Python's default of 5 ms, a helper that needs the GIL while the caller's
-#: thread runs Python waits up to 5 ms each time: the seed's 8 page-locked pieces were queued over 5.4 ms
-#: instead of 2.3 (suite part k, eighth session).
+#: thread runs Python waits up to 5 ms each time.
 SWITCH_INTERVAL = 2e-5
 
 _uploader = None
@@ -92,9 +76,7 @@ def _thread() -> ThreadPoolExecutor:
 
 
 def stage_threads() -> int:
-    """``STAGE_THREADS``, at most the CPUs this process may use (``engine.available_cpus``)."""
-    from .. import available_cpus
-
+    """``STAGE_THREADS``, at most the CPUs this process may use."""
     return max(1, min(STAGE_THREADS, available_cpus()))
 
 
@@ -102,7 +84,7 @@ def _copy_threads() -> ThreadPoolExecutor:
     global _copiers
     with _uploader_lock:
         pool, size = _copiers
-        if pool is None or size != stage_threads():  # (the suite varies the number)
+        if pool is None or size != stage_threads():  # (the CPUs this process may use can change)
             if pool is not None:
                 pool.shutdown(wait=False)
             _copiers = ThreadPoolExecutor(stage_threads(), thread_name_prefix="mppca-stage"), stage_threads()
@@ -169,16 +151,8 @@ class _Countdown:
 
 
 def round_bounds(n_elements) -> np.ndarray:
-    """Where the ``STAGE_ROUNDS`` rounds of an upload of ``n_elements`` begin and end (in elements; in the
-    ``STAGE_SHARES``, if set)."""
-    rounds = max(1, STAGE_ROUNDS)
-    if STAGE_SHARES is None or rounds == 1:
-        return np.linspace(0, n_elements, rounds + 1).astype(np.int64)
-    if len(STAGE_SHARES) != rounds or abs(sum(STAGE_SHARES) - 1) > 1e-9:
-        raise ValueError(f"STAGE_SHARES must be {rounds} shares that add up to 1, not {STAGE_SHARES}")
-    bounds = np.round(np.cumsum((0.0,) + tuple(STAGE_SHARES)) * n_elements).astype(np.int64)
-    bounds[-1] = n_elements
-    return bounds
+    """Where the ``STAGE_ROUNDS`` equal rounds of an upload of ``n_elements`` begin and end (in elements)."""
+    return np.linspace(0, n_elements, max(1, STAGE_ROUNDS) + 1).astype(np.int64)
 
 
 class StagedSeries:

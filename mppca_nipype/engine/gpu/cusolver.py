@@ -1,5 +1,7 @@
 """Batched symmetric eigensolver: cuSOLVER's ``cusolverDnXsyevBatched`` through nvmath-python.
 
+The eigensolver of matrices the tridiagonal kernels do not take (m > 64 by default, float64 first passes)
+and of the gathered path's long series, whose eigenvalues it refines in float64 (``ProjectorFromVectors.refine``).
 One call decomposes a whole batch of m x m matrices on torch's current stream, with no host
 synchronisation: the per-matrix ``info`` stays on the device, the pipeline reads it once at the end and
 redoes failed matrices on the CPU. Workspaces are cached per (batch, m, dtype).
@@ -21,6 +23,17 @@ from ..estimators import signal_projector
 _CUDA_DATA_TYPE = {torch.float32: 0, torch.float64: 1}  # cudaDataType: CUDA_R_32F, CUDA_R_64F
 _EIG_MODE_NOVECTOR, _EIG_MODE_VECTOR = 0, 1  # cusolverEigMode_t
 _FILL_MODE_LOWER = 0  # cublasFillMode_t: CUBLAS_FILL_MODE_LOWER (the matrices are full, either half works)
+
+#: Eigenvectors at each end of the spectrum whose Rayleigh-Ritz values in float64 replace a float32
+#: eigensolve's eigenvalues (``ProjectorFromVectors.refine``): ``refine_block`` of them, at most this many.
+REFINE_BLOCK = 64
+#: Smallest matrix order the refinement serves (below, the blocks would leave too little room for the rank).
+REFINE_MIN_ORDER = 64
+
+
+def refine_block(m: int) -> int:
+    """Eigenvectors refined at each end of an m x m spectrum: ``REFINE_BLOCK``, or half the spectrum."""
+    return min(REFINE_BLOCK, m // 2)
 
 
 def _load_cusolver():
@@ -55,7 +68,7 @@ class ProjectorFromVectors:
         into the noise bulk's upper edge, and the smallest) and on sums that the trace fixes. A float32
         eigensolve gets every eigenvalue to ~eps ||A||, which on long series is more than the spacing of
         the bulk: its eigenvectors there are mixed over that band, so single Rayleigh quotients are no
-        better (measured on the H200, docs/gpu.md). But a band of mixed vectors still spans the right
+        better. But a band of mixed vectors still spans the right
         subspace: Rayleigh-Ritz in float64 on the ``block`` lowest and the ``block`` highest eigenvectors
         (S^T A S, with S made orthonormal to second order, and its eigenvalues) gives both ends with an
         error second order in what leaks out of the block; the eigenvalues between keep their Rayleigh

@@ -1,0 +1,59 @@
+"""What every backend shares: the options it receives, what it returns, and the CPUs it may use.
+
+``engine.denoise`` resolves a ``DenoiseOptions``, hands it with the patch plan to a backend (``cpu`` or
+``gpu``), and turns the backend's ``PatchSums`` into the caller's result. Both backends import this module;
+it imports neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import os
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DenoiseOptions:
+    """Validated, resolved options: what every backend receives."""
+
+    extent: tuple[int, int, int]
+    stride: int
+    estimator: str
+    aggregation: str
+    demean: str
+
+    @property
+    def demeaned(self) -> bool:
+        """Whether a mean was removed (it costs the patch one parameter in the aggregation weight)."""
+        return self.demean != "none"
+
+
+@dataclass
+class PatchSums:
+    """What a backend returns: per-voxel sums over the patches that served each voxel.
+
+    ``image`` (X*Y*Z, T), ``weight``, ``sigma``, ``rank`` (X*Y*Z,), all float64 (or float32 from the GPU).
+    For ``center`` aggregation each voxel is served by exactly one patch with weight 1, so the sums are the
+    values themselves. ``normalized``: the backend has already divided ``image``, ``sigma`` and ``rank`` by
+    ``weight`` (0 where the weight is 0), e.g. on its device; ``weight`` still says which voxels were served.
+    """
+
+    image: np.ndarray
+    weight: np.ndarray
+    sigma: np.ndarray
+    rank: np.ndarray
+    info: dict = field(default_factory=dict)
+    normalized: bool = False
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by SLURM_CPUS_PER_TASK when running under SLURM."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and int(slurm) > 0:
+        cpus = min(cpus, int(slurm))
+    return max(cpus, 1)

@@ -1,0 +1,284 @@
+"""One batch of a slab's windows: Gram -> eigenvalues -> threshold -> projector -> reconstruction.
+
+``SlabWindows`` holds one slab's windows on the device (their corner rows within the slab, multiplicities,
+centres) and, with the box sums, the first pass's Gram matrices of all of them and its projectors until the
+box reconstructs them. ``SlabWindows.batch`` runs a batch with no host synchronisation:
+
+1. Gram matrices: the box sums' (the whole slab's, computed as its rows arrive: ``start``), the fused
+   Triton kernel's (``gram.gram``), or the gathered path's (``gram.gather_gram``).
+2. Eigenvalues: the run's solver (``tridiagonal.TridiagonalEigh`` or ``cusolver.BatchedEigh``), with the
+   undemeaned patch's mean as a rank-one term (``takes_mean_apart``), or refined in float64 at both ends of
+   the spectrum on long series (``refine``); ``info`` stays on the device.
+3. The threshold and, in a float32 pass, the settling verdicts (``threshold``): an unsettled window gets
+   weight 0 here and is redone by the settling pass (``settling``).
+4. The projector onto the kept eigenvectors, the window's weight (``aggregation_weights`` times its
+   multiplicity), and the reconstruction: into the box (first pass), by the fused kernels
+   (``reconstruction``), or gathered (torch), added into the slab's sums (``sums.SlabSums``), or for
+   ``center`` each centre row written to its voxel.
+
+Everything a batch needs is allocated before anything is added into the sums, so that a batch that runs
+out of memory can be redone smaller (``plan.run_in_batches``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..estimators import aggregation_weights
+from . import reconstruction, threshold
+from .gram import gather_gram, gram
+from .threshold import rounding_uncertainty, threshold_on_device, unresolved_projectors
+from .upload import Upload, round_bounds, to_device
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """A batch of a slab's windows chosen on the device (``settling.choose_windows``): their ``base`` rows and
+    ``multiplicity`` (B,), of which the first ``count`` (a device integer; ``asked`` (B,): the places before
+    it) are to be run; the kernels skip the rest."""
+
+    base: torch.Tensor
+    multiplicity: torch.Tensor
+    asked: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass
+class _Selection:
+    """The windows of one batch as the kernels take them: ``base`` rows and ``multiplicity`` (B,); for
+    ``Chosen`` windows ``asked`` and ``count``; ``index`` (B,) on the device for windows given by number;
+    ``centres`` (rows, window in the batch, position in the window) for ``center`` aggregation."""
+
+    base: torch.Tensor
+    multiplicity: torch.Tensor
+    asked: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+    centres: tuple | None = None
+
+
+class SlabWindows:
+    """One slab's windows on the device, and with ``box`` (``boxsums.BoxSums``) the first pass's Gram matrices
+    of all of them, and its projectors (with a settling pass chosen on the host, that pass's too) until
+    ``accumulate_box`` reconstructs them all at once. ``sums``: the slab's ``sums.SlabSums``."""
+
+    def __init__(self, run, slab, sums, row0, box=None):
+        device, plan = run.device, run.plan
+        self.run, self.sums, self.box, self.n_volumes = run, sums, box, sums.image.shape[1]
+        self.volume = self.finite = self.box_gram = None  # once the slab's rows are there (``start``)
+        self.verdicts_ready = None  # an event after the first pass's last verdicts (on a GPU, with ``run.side``)
+        self.capturing = False  # while the first pass is captured as graphs (``graphs.FirstPassGraphs.capture``)
+        self.box_kept = box  # (``renew``: the box of windows kept with their graphs)
+        windows = slab.windows
+        self.base = to_device(run.window_base[windows] - row0, device)
+        self.multiplicity = to_device(plan.multiplicity[windows].astype(np.float64), device)
+        if run.center:
+            a, b = np.searchsorted(plan.centre_window, [windows.start, windows.stop])
+            self.centre_window_host = plan.centre_window[a:b] - windows.start
+            self.centre_voxel = to_device((plan.centre_voxel[a:b] - row0).astype(np.int64), device)
+            self.centre_window = to_device(self.centre_window_host.astype(np.int32), device)
+            self.centre_position = to_device(plan.centre_position[a:b].astype(np.int64), device)
+
+    def renew(self, sums):
+        """For another run of windows kept with their first pass's graphs: that run's ``sums`` and the box."""
+        self.sums, self.box, self.verdicts_ready = sums, self.box_kept, None
+
+    def start(self, volume, finite):
+        """The slab's series (rows, T) and finite flags (rows,) on the device, the series arriving
+        (``upload.Upload``) or there. Yields how many of the slab's windows (in order) the first pass may run
+        so far; once exhausted, the current stream has waited for the whole series. With the box sums, the
+        Gram matrices of the windows whose rows are there are queued as each part of the series arrives, so
+        that the first pass runs on them while the rest arrives."""
+        self.finite, n_windows = finite, len(self.base)
+        arrivals = ()
+        if isinstance(volume, Upload):
+            arrivals = volume.arrivals(torch.cuda.current_stream(self.run.device))
+            volume = volume.tensor  # (its rows are read by work queued after their arrival only)
+        elif self.box is not None:  # there at once (the CPU): the parts the upload's rounds would give
+            arrivals = iter(int(stop) // volume.shape[1] for stop in round_bounds(volume.numel())[1:])
+        self.volume, ready = volume, 0
+        if self.box is not None:
+            for ready in self.box.gram_in_parts(volume, arrivals):
+                self.box_gram = self.box.grams
+                yield ready
+        for _ in arrivals:  # (without the box sums: all of them before any window runs)
+            pass
+        if ready < n_windows:
+            yield n_windows
+
+    def spread_final_planes(self, ready):
+        """With the settling pass on the device (its windows had weight 0 here and are added apart, by the
+        fused reconstruction), the box's projectors of the first ``ready`` windows are final once queued:
+        the x-planes no later window holds are spread back (``BoxSums.spread``) while the first pass goes on."""
+        if self.box is not None and self.run.settles_on_device(self.n_volumes):
+            self.box.spread(ready)
+
+    def accumulate_box(self):
+        """The box sums' reconstruction of every window they hold at once (after a settling pass chosen on the
+        host: its windows are in the box too)."""
+        if self.box is not None:
+            self.box.accumulate(self.volume, *self.sums.tensors())
+            self.box = None
+
+    def batch(self, windows, dtype, fused, settle, refine=0):
+        """Gram -> eigensolver -> threshold -> reconstruction of a batch of the slab's windows: a slice
+        (first pass), a sorted array of their indices (a settling pass chosen on the host) or ``Chosen`` ones
+        (a settling pass chosen on the device: fused kernels, tridiagonal eigensolver, no centre rows). Returns
+        the solver's ``info`` and, with ``settle``, the windows left unsettled (given weight 0 here); all on
+        the device, no synchronisation. With ``refine`` (a block size: gathered path, a solver with all
+        eigenvectors, m >= ``cusolver.REFINE_MIN_ORDER``) the patches and the Gram are float64, the eigensolver
+        runs on the Gram rounded to ``dtype``, and the eigenvalues at both ends of the spectrum are refined in
+        float64 (``ProjectorFromVectors.refine``): their far smaller error leaves far fewer windows unsettled on
+        long series."""
+        run, n_volumes = self.run, self.volume.shape[1]
+        selection = self._select(windows)
+        n_voxels = run.voxel_offsets.numel()
+        # no demeaning in float32 with the tridiagonal kernels: the Gram of the undemeaned patch is
+        # n mu mu^T + (the volume-demeaned Gram), exactly; the kernels take the second and the rank-one term
+        # apart (``TridiagonalEigh.values(rank_one=...)``), so the patch's mean costs no precision
+        rank_one = run.mean_apart and dtype == torch.float32
+        gathered = volume_mean = None
+        if self.box_gram is not None and isinstance(windows, slice) and dtype == torch.float32:  # first pass
+            grams = self.box_gram[windows].clone()  # the solver overwrites it; a retried batch needs it whole
+            n_took_part = torch.full((len(grams),), n_voxels, dtype=torch.int32, device=run.device)
+        elif fused:
+            grams, n_took_part, volume_mean = gram(self.volume, self.finite, selection.base, run.voxel_offsets,
+                                                   demean="volume" if rank_one else run.demean, dtype=dtype,
+                                                   count=selection.count)
+        else:
+            grams, *gathered = gather_gram(self.volume, self.finite, selection.base, run.voxel_offsets, run.demean,
+                                           torch.float64 if refine else dtype, n_voxels >= n_volumes)
+            n_took_part = gathered[2].sum(dim=1).to(torch.int32)
+        values, info, scale = eigenvalues_of(run.solver, grams, dtype, refine, rank_one, n_took_part, volume_mean,
+                                             selection.count)
+        # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
+        usable_voxels = n_took_part - 1 if run.demean == "volume" else n_took_part
+        usable_volumes = n_volumes - int(run.demean == "voxel")
+        delta = (rounding_uncertainty(values, threshold.REFINED_SETTLE_SLACK if refine else run.settle_slack, scale)
+                 if settle else None)
+        patch_rank, sigma2, unsettled = threshold_on_device(values, usable_voxels, usable_volumes,
+                                                            run.options.estimator, delta)
+        keep = info == 0
+        if selection.asked is not None:  # the places past the count hold no window (their numbers are unwritten)
+            keep &= selection.asked
+        if settle:
+            if refine:
+                unsettled |= patch_rank >= refine - threshold.REFINE_GUARD
+            if rank_one:
+                unsettled |= unresolved_projectors(values, patch_rank, scale)
+            keep &= ~unsettled
+            self._record_verdicts()
+        projector = run.solver.projector(patch_rank)
+        if run.center:
+            patch_weight = keep.to(torch.float32)
+        else:  # where, not a product: a place left unwritten may hold any number
+            patch_weight = torch.where(keep, aggregation_weights(patch_rank, run.options.demeaned,
+                                                                 run.options.aggregation)
+                                       * selection.multiplicity, 0.0).to(torch.float32)
+        self._reconstruct(windows, selection, fused, gathered, volume_mean if not rank_one else None, projector,
+                          patch_weight, torch.sqrt(sigma2).to(torch.float32), patch_rank.to(torch.float32))
+        return info, unsettled
+
+    def _select(self, windows) -> _Selection:
+        """The batch's windows (see ``batch``) as the kernels take them."""
+        run, device = self.run, self.run.device
+        if isinstance(windows, Chosen):
+            return _Selection(windows.base, windows.multiplicity, windows.asked, windows.count)
+        if isinstance(windows, slice):
+            selection = _Selection(self.base[windows], self.multiplicity[windows])
+            if run.center:
+                a, b = np.searchsorted(self.centre_window_host, [windows.start, windows.stop])
+                selection.centres = (self.centre_voxel[a:b], self.centre_window[a:b] - windows.start,
+                                     self.centre_position[a:b])
+            return selection
+        index = to_device(windows, device)
+        selection = _Selection(self.base[index], self.multiplicity[index], index=index)
+        if run.center:
+            chosen = np.flatnonzero(np.isin(self.centre_window_host, windows))
+            own = np.searchsorted(windows, self.centre_window_host[chosen]).astype(np.int32)
+            chosen = to_device(chosen, device)
+            selection.centres = (self.centre_voxel[chosen], to_device(own, device), self.centre_position[chosen])
+        return selection
+
+    def _record_verdicts(self):
+        """With the settling pass on the device beside the first pass: the verdicts are known, so that pass
+        may start (an event of the graph's own while captured: each replay records it there)."""
+        run = self.run
+        if run.side is not None and run.settles_on_device(self.n_volumes):
+            self.verdicts_ready = torch.cuda.Event(external=self.capturing)
+            self.verdicts_ready.record(torch.cuda.current_stream(run.device))
+
+    def _reconstruct(self, windows, selection, fused, gathered, volume_mean, projector, patch_weight, patch_sigma,
+                     patch_rank):
+        """Step 4 of ``batch``: the windows' weighted projections into the box or the sums."""
+        run, sums = self.run, self.sums
+        if self.box is not None and not isinstance(windows, Chosen):
+            # the first pass, and a settling pass chosen on the host: its windows replace their projectors
+            self.box.add_windows(windows if isinstance(windows, slice) else selection.index,
+                                 projector.to(torch.float32), patch_weight, patch_sigma, patch_rank)
+        elif fused:  # (a settling pass chosen on the device adds its windows here with the box sums too)
+            # (float64 read as it is: a launch sized for every window would convert them all)
+            projector = projector.contiguous()
+            if run.center:
+                rows, own_window, _ = selection.centres
+                reconstruction.reconstruct_centres(self.volume, rows, own_window, projector.to(torch.float32),
+                                                   patch_weight, patch_sigma, patch_rank, *sums.tensors(),
+                                                   demean=run.demean, volume_mean=volume_mean)
+            else:
+                reconstruction.reconstruct_accumulate(self.volume, self.finite, selection.base, run.voxel_offsets,
+                                                      projector, patch_weight, patch_sigma, patch_rank,
+                                                      *sums.tensors(), demean=run.demean, volume_mean=volume_mean)
+        else:
+            _add_gathered(run, sums, selection, gathered, projector, patch_weight, patch_sigma, patch_rank)
+
+
+def _add_gathered(run, sums, selection, gathered, projector, patch_weight, patch_sigma, patch_rank):
+    """The gathered path's reconstruction (torch): each patch times its projector, the means put back,
+    written at the centre rows or added with the windows' weights into the sums. Every addend is made before
+    the first is added."""
+    patches, means, took_part, voxels = gathered
+    n_volumes = patches.shape[2]
+    projector = projector.to(patches.dtype)
+    restored = patches @ projector if patches.shape[1] >= n_volumes else projector @ patches
+    if means is not None:
+        restored = restored + means
+    if run.center:
+        rows, own_window, own_position = selection.centres
+        w = patch_weight[own_window]
+        values = (restored[own_window, own_position].to(torch.float32) * w[:, None], w,
+                  w * patch_sigma[own_window], w * patch_rank[own_window])
+        for target, value in zip(sums.tensors(), values):
+            target[rows] = value
+        return
+    voxel_weight = patch_weight[:, None] * took_part
+    addends = ((restored * voxel_weight[:, :, None]).reshape(-1, n_volumes).to(torch.float32),
+               voxel_weight.reshape(-1), (voxel_weight * patch_sigma[:, None]).reshape(-1),
+               (voxel_weight * patch_rank[:, None]).reshape(-1))
+    flat = voxels.reshape(-1)
+    for target, addend in zip(sums.tensors(), addends):
+        target.index_add_(0, flat, addend)
+
+
+def eigenvalues_of(solver, grams, dtype, refine, rank_one, n_took_part, volume_mean, count=None):
+    """The eigen step's first half: eigenvalues (B, m) float64 ascending, ``info`` and the scale of their
+    float32 error (None: the largest eigenvalue). ``refine`` (a block size): the float64 ``grams`` solved
+    rounded to ``dtype``, both ends refined in float64. ``rank_one``: ``grams`` are the volume-demeaned Grams
+    and n mu mu^T (``volume_mean`` mu, ``n_took_part`` n) is added as a rank-one term; the error scale is then
+    the demeaned Gram's norm. ``count``: only the first ``count`` are solved (the tridiagonal kernels;
+    ``Chosen`` batches)."""
+    if refine:
+        values, info = solver.values(grams.to(dtype))
+        values, refine_info = solver.refine(grams, refine)
+        return values, info | refine_info, None
+    if rank_one:
+        scale = torch.linalg.matrix_norm(grams).to(torch.float64)  # before the solver overwrites it
+        mean = volume_mean.to(torch.float64)
+        norm2 = (mean * mean).sum(dim=1)
+        direction = mean / norm2.sqrt().clamp(min=torch.finfo(torch.float64).tiny)[:, None]
+        values, info = solver.values(grams, rank_one=(direction, n_took_part.to(torch.float64) * norm2))
+        return values.to(torch.float64), info, scale
+    values, info = solver.values(grams) if count is None else solver.values(grams, count=count)
+    return values.to(torch.float64), info, None

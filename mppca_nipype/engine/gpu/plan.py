@@ -1,0 +1,300 @@
+"""How a GPU run is done: its settings, the choices they lead to, and the sizes that fit the device.
+
+``GPUSettings`` holds what a caller may ask of ``pipeline.denoise_gpu`` beyond the options (for tests and
+benchmarks: each path and eigensolver can be forced). ``GPURun`` holds what stays the same across the slabs
+and batches of one run (the plan, the precision of the first pass, the eigensolver, the paths of the Gram
+and reconstruction, the patch geometry on the device) and what the run learns (batch size, retries,
+counts). The sizes: windows per batch (``batch_size``) and x-planes per slab (``slab_planes``) from the free
+device memory; a batch that runs out of memory anyway is redone at half the size (``run_in_batches``).
+
+Precision of the first pass (``gram_precision``): with voxel or volume demeaning everything runs in float32
+(the Gram of a centred patch is well conditioned; the centring happens before the products, never as
+X^T X - n mu mu^T). Without it (dwidenoise's mode) a baseline near 1000 makes the Gram's top eigenvalue ~1e6
+times its noise eigenvalues, and float32 eigenvalues of X^T X lose the noise bulk (MRtrix3's own float32
+mode differs from its float64 mode by 2.6e-4). There the fused Gram kernel returns the volume-demeaned Gram
+and the mean mu instead, and the tridiagonal kernels take X^T X = X_c^T X_c + n mu mu^T with the rank-one
+term apart (``takes_mean_apart``): the noise eigenvalues keep float32's precision of X_c^T X_c. Undemeaned
+runs that the fused and tridiagonal kernels cannot serve run in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import is_out_of_memory
+from . import boxsums, cusolver, threshold
+from .cusolver import BatchedEigh, ProjectorFromVectors
+from .gram import fused_fits
+from .tridiagonal import MAX_ORDER as TRIDIAGONAL_MAX_ORDER, TridiagonalEigh
+from .upload import to_device
+
+#: The eigensolvers ``GPUSettings.eigensolver`` takes ("auto": ``eigensolver_for``).
+EIGENSOLVERS = ("auto", "tridiagonal", "xsyev")
+#: How the first pass's Gram and reconstruction may be computed (``GPUSettings.path``).
+PATHS = ("auto", "box", "fused", "gather")
+#: Gram precisions ``GPUSettings.precision`` takes ("auto": ``gram_precision``).
+PRECISIONS = ("auto", "float32", "float64")
+#: Upper bound on windows per batch (beyond it XsyevBatched gains nothing and workspaces grow linearly).
+MAX_BATCH = 16384
+#: Share of the free device memory that one batch's buffers may take.
+MEMORY_SHARE = 0.5
+#: Smallest batch an out-of-memory retry goes down to (below it the GPU would gain nothing over the CPU).
+MIN_BATCH = 64
+#: Largest m for which "auto" takes the tridiagonal kernels in float32 (2-4x faster than XsyevBatched for
+#: m <= 64, slower beyond, where the matrix fills 128 x 128 registers; docs/benchmarks.md, "Eigen step").
+AUTO_TRIDIAGONAL_MAX_ORDER = 64
+#: Priority of the settling pass's stream (lower is higher; -1 or below is the highest torch gives): its short
+#: chain of small launches is not queued behind the first pass's many programs.
+SETTLE_PRIORITY = -1
+
+
+@dataclass(frozen=True)
+class GPUSettings:
+    """What a run may be asked beyond the denoising options (defaults: what the engine chooses).
+
+    ``path`` (one of ``PATHS``): how the first pass's Gram and reconstruction are computed; "auto": the box
+    sums where ``boxsums.applies`` and their scratch fits, else the fused kernels where they fit, else
+    gathered. ``eigensolver`` (one of ``EIGENSOLVERS``); ``precision`` (one of ``PRECISIONS``: of the Gram and
+    eigensolver); ``max_batch``; ``planes`` (x-planes of window corners per slab; default from the free
+    memory); ``normalize`` (divide the sums by the weights on the device); ``settle`` (redo in float64 the
+    windows float32 cannot settle; False measures float32 alone); ``timeline`` (``info["timeline_ms"]``:
+    where the host and the device were at each step; its CUDA events cost host time).
+    """
+
+    path: str = "auto"
+    eigensolver: str = "auto"
+    precision: str = "auto"
+    max_batch: int | None = None
+    planes: int | None = None
+    normalize: bool = True
+    settle: bool = True
+    timeline: bool = False
+
+    def __post_init__(self):
+        for name, choices in (("path", PATHS), ("eigensolver", EIGENSOLVERS), ("precision", PRECISIONS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, not {getattr(self, name)!r}")
+
+
+def gram_precision(options, precision: str = "auto", mean_apart: bool = False) -> torch.dtype:
+    """float32 with voxel or volume demeaning, or without it where the patch's mean can be taken apart
+    (``mean_apart``: ``takes_mean_apart``); else float64 (see the module's note); or as asked."""
+    if precision == "auto":
+        return torch.float32 if options.demean in ("voxel", "volume") or mean_apart else torch.float64
+    return {"float32": torch.float32, "float64": torch.float64}[precision]
+
+
+def takes_mean_apart(options, device, path, eigensolver, n_voxels, n_volumes) -> bool:
+    """Whether an undemeaned run's first pass can be float32 with the patch's mean taken apart: the fused
+    Gram kernel serves the patch (it returns the volume-demeaned Gram and the mean) and the tridiagonal kernels
+    solve it (asked for, or ``auto``'s choice), taking n mu mu^T as a rank-one term."""
+    if options.demean != "none" or path == "gather" or not fused_fits(n_voxels, n_volumes, torch.float32):
+        return False
+    if eigensolver == "auto":
+        return torch.device(device).type == "cuda" and min(n_voxels, n_volumes) <= AUTO_TRIDIAGONAL_MAX_ORDER
+    return eigensolver == "tridiagonal"
+
+
+def eigensolver_for(name, device, m, dtype):
+    """The eigensolver ``name`` for m x m matrices in the first pass's precision ``dtype``. "auto": the
+    tridiagonal Triton kernels for float32 and m <= ``AUTO_TRIDIAGONAL_MAX_ORDER``, else XsyevBatched
+    (float64 runs: XsyevBatched is a little faster there)."""
+    if name not in EIGENSOLVERS:
+        raise ValueError(f"eigensolver must be one of {EIGENSOLVERS}, not {name!r}")
+    if name == "auto":
+        name = ("tridiagonal" if dtype == torch.float32 and m <= AUTO_TRIDIAGONAL_MAX_ORDER
+                and torch.device(device).type == "cuda" else "xsyev")
+    if name == "tridiagonal":
+        if m > TRIDIAGONAL_MAX_ORDER:
+            raise ValueError(f"the tridiagonal eigensolver takes m <= {TRIDIAGONAL_MAX_ORDER}, not {m}")
+        return TridiagonalEigh(device)
+    return BatchedEigh(device)
+
+
+def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, refine=False):
+    m = min(n_voxels, n_volumes)
+    size = torch.empty((), dtype=dtype).element_size()
+    per_window = m * m * (2 * size + 4) + 16 * m * 8 + 4 * n_volumes + workspace_per_window
+    if refine:  # the float64 Gram, vectors and products beside the solver's copy; patches in float64
+        per_window += m * m * (8 + 8 + 8 + size)
+        size = 8
+    if not fused:  # gathered patches (float32 and compute precision), restored, indices
+        per_window += n_voxels * n_volumes * (4 + 2 * size) + n_voxels * 16
+    return int(per_window)
+
+
+def batch_size(device, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None, refine=False) -> int:
+    """Windows per batch: what ``MEMORY_SHARE`` of the free device memory holds, at most ``MAX_BATCH``."""
+    cap = min(max_batch or MAX_BATCH, max(n_windows, 1))
+    if device.type != "cuda":
+        return cap
+    probe = 256
+    workspace = solver.workspace_bytes(probe, min(n_voxels, n_volumes), dtype) / probe
+    per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine)
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(max(1, min(cap, MEMORY_SHARE * free // per_window)))
+
+
+def run_in_batches(n_items, step, run, *, min_batch=None, on_batch=None, on_retry=None):
+    """``run(a, b)`` over consecutive ranges of ``n_items`` items, ``step`` at a time; returns the results in
+    order, the last step used and the number of out-of-memory retries.
+
+    A range that runs out of device memory is redone at half the step (the step stays small for the rest),
+    after ``on_retry()`` (to drop caches) and torch's cached memory is handed back; at ``min_batch`` (default
+    ``MIN_BATCH``) the error goes up. ``run`` must allocate all it needs before it changes anything, so that a
+    range can be redone. ``on_batch(b)`` after each range.
+    """
+    min_batch = MIN_BATCH if min_batch is None else min_batch
+    results, start, retries = [], 0, 0
+    while start < n_items:
+        stop = min(start + step, n_items)
+        try:
+            results.append(run(start, stop))
+        except Exception as err:  # noqa: BLE001 - only out-of-memory is recovered from
+            if not is_out_of_memory(err) or step <= min_batch:
+                raise
+            step, retries = max(min_batch, step // 2), retries + 1
+            if on_retry:
+                on_retry()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        start = stop
+        if on_batch:
+            on_batch(stop)
+    return results, step, retries
+
+
+@dataclass(frozen=True)
+class Slab:
+    """A run of the plan's windows (``windows``, by corner x) and the x-planes they touch: from ``first`` to
+    ``stop`` (exclusive; the corners' planes and the extent's halo). After them the planes below ``done``
+    are final: no later window reaches them."""
+
+    windows: slice
+    first: int
+    stop: int
+    done: int
+
+
+def plan_slabs(plan, planes: int) -> list[Slab]:
+    """Cut the plan into slabs whose windows have their corners in ``planes`` consecutive x-planes."""
+    nx, ex = plan.spatial_shape[0], plan.extent[0]
+    corner_x = plan.window_corner[:, 0]
+    slabs = []
+    for first in range(0, nx, max(1, int(planes))):
+        done = min(first + max(1, int(planes)), nx)
+        w0, w1 = np.searchsorted(corner_x, [first, done])
+        slabs.append(Slab(slice(int(w0), int(w1)), first, min(done + ex - 1, nx), done))
+    return slabs
+
+
+def slab_planes(device, plan, n_volumes: int) -> int:
+    """x-planes of window corners per slab: all of them when the whole series and its sums take at most half
+    of ``MEMORY_SHARE`` of the free device memory (the batches get the rest), else as many as fit there
+    with the halo and the next slab's upload beside them."""
+    nx, ny, nz = plan.spatial_shape
+    if device.type != "cuda":
+        return nx
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = MEMORY_SHARE * free / 2
+    whole = nx * ny * nz * (8 * n_volumes + 20)  # series + finite, image + weight/sigma/rank sums
+    if whole <= budget:
+        return nx
+    per_plane = ny * nz * (12 * n_volumes + 24)  # and the next slab's series and finite rows
+    return max(1, int(budget // per_plane) - (plan.extent[0] - 1))
+
+
+def box_fits(device, plan, n_volumes, slab) -> bool:
+    """Whether the box sums' scratch for ``slab`` fits in ``MEMORY_SHARE`` of the free device memory."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return boxsums.scratch_bytes(plan, n_volumes, slab.done - slab.first) <= MEMORY_SHARE * free
+
+
+class GPURun:
+    """What stays the same across the slabs and batches of one run: the plan, options, settings, precision,
+    eigensolver and paths, the patch geometry on the device; and what the run learns (batch size, retries,
+    counts of windows redone)."""
+
+    def __init__(self, plan, options, device, settings: GPUSettings, n_volumes):
+        self.plan, self.options, self.device, self.settings = plan, options, device, settings
+        self.path, self.max_batch = settings.path, settings.max_batch
+        self.demean, self.center = options.demean, options.aggregation == "center"
+        self.dtype = gram_precision(options, settings.precision, takes_mean_apart(
+            options, device, settings.path, settings.eigensolver, plan.patch_size, n_volumes))
+        self.solver = eigensolver_for(settings.eigensolver, device, min(plan.patch_size, n_volumes), self.dtype)
+        self.settle = settings.settle and self.dtype == torch.float32
+        self.settle_slack = (threshold.TRIDIAGONAL_SETTLE_SLACK if isinstance(self.solver, TridiagonalEigh)
+                             else threshold.SETTLE_SLACK)
+        self.window_base = plan.window_base()
+        self.voxel_offsets = to_device(plan.voxel_offsets.astype(np.int32), device)
+        self.step, self.retries, self.n_settled, self.n_redone_on_cpu = 0, 0, 0, 0
+        self.settled_on_device = []  # per part or slab settled on the device: windows it redid (device scalars)
+        self._settled_counts = None  # their copies on the host (``download_counts``)
+        self.fused = None  # the paths, set with the first slab (``choose_paths``)
+        self.refine = 0  # block size of the refinement (0: none)
+        self.mean_apart = False  # float32 first pass of an undemeaned run, fused, tridiagonal
+        self.takes_box_sums = False  # whether the first pass may take ``boxsums``
+        self.n_box_slabs = 0
+        self.first_pass = "queued"  # or "captured" / "replayed" as CUDA graphs (``graphs.FirstPassGraphs``)
+        self.side = torch.cuda.Stream(device, priority=SETTLE_PRIORITY) if device.type == "cuda" else None
+
+    def choose_paths(self, finite_host, n_volumes):
+        """The Gram and reconstruction paths, the refinement and the mean taken apart (once, at the first
+        slab); raises ValueError where a forced path cannot serve the patch."""
+        if self.fused is not None:
+            return
+        n_voxels = self.plan.patch_size
+        self.fused = self.path in ("fused", "box") or (self.path == "auto"
+                                                     and fused_fits(n_voxels, n_volumes, self.dtype))
+        if self.fused and not fused_fits(n_voxels, n_volumes, self.dtype):
+            raise ValueError(f"the fused kernels do not take n={n_voxels}, T={n_volumes} in {self.dtype}")
+        m = min(n_voxels, n_volumes)
+        refines = (self.settle and not self.fused and isinstance(self.solver, ProjectorFromVectors)
+                   and m >= cusolver.REFINE_MIN_ORDER)
+        self.refine = cusolver.refine_block(m) if refines else 0
+        self.mean_apart = (self.fused and self.demean == "none" and self.dtype == torch.float32
+                           and isinstance(self.solver, TridiagonalEigh))
+        self.takes_box_sums = (self.path in ("auto", "box") and boxsums.applies(
+            self.plan, self.options, finite_host, n_volumes, self.dtype, self.fused))
+        if self.path == "box" and not self.takes_box_sums:
+            raise ValueError("the box sums take voxel demeaning, weighted or uniform aggregation, a float32 "
+                             f"first pass, T <= {boxsums.MAX_VOLUMES}, stride > 1 with every window active "
+                             "and every voxel finite")
+
+    def settles_on_device(self, n_volumes) -> bool:
+        """Whether the settling pass can run with no synchronisation (``settling.settle_on_device``): a float32
+        first pass settled by the fused kernels in float64 and the tridiagonal kernels (which cannot fail, so
+        nothing is left for the CPU), weighted or uniform aggregation (centre rows are chosen on the host)."""
+        return (self.settle and not self.refine and not self.center and self.path != "gather"
+                and isinstance(self.solver, TridiagonalEigh)
+                and fused_fits(self.plan.patch_size, n_volumes, torch.float64))
+
+    def batch_size(self, n_windows, n_volumes, dtype=None, fused=None, refine=None) -> int:
+        """``batch_size`` for this run's patch and solver (default: the first pass's precision and paths)."""
+        return batch_size(self.device, n_windows, self.plan.patch_size, n_volumes, dtype or self.dtype,
+                          self.fused if fused is None else fused, self.solver, self.max_batch,
+                          self.refine if refine is None else refine)
+
+    @property
+    def gram_path(self):
+        """How the first pass's Gram matrices were computed: "box" (in some slab), "fused" or "gather"."""
+        return "box" if self.n_box_slabs else "fused" if self.fused else "gather"
+
+    def download_counts(self):
+        """Queue the copy of the device's counts of redone windows to the host (no wait: ``settled`` reads
+        them once the device is done)."""
+        if self.settled_on_device:
+            counts = torch.stack(self.settled_on_device)
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=counts.is_cuda)
+            self._settled_counts = host.copy_(counts, non_blocking=True)
+
+    def settled(self) -> int:
+        """Windows redone in float64 (after ``download_counts`` and the device's last work)."""
+        on_device = int(self._settled_counts.sum()) if self._settled_counts is not None else 0
+        return self.n_settled + on_device

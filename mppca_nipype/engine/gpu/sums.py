@@ -1,0 +1,136 @@
+"""The per-voxel sums of a slab on the device, and their way to the caller: divided and downloaded.
+
+``SlabSums``: image (rows, T) and weight, sigma, rank (rows,) of one slab's rows, float32, starting from the
+halo the previous slab carried. ``Finisher``: a slab's rows divided by their weights (``divide_rows``, one
+kernel) and copied into the run's page-locked outputs as they get their last addition, on a stream of its
+own while the device goes on computing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .upload import to_device
+
+
+DIVIDE_ROWS = 32
+
+
+@triton.jit
+def _divide_rows_kernel(image_ptr, weight_ptr, sigma_ptr, rank_ptr, first, stop, n_volumes,
+                        BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = first + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < stop
+    weight = tl.load(weight_ptr + rows, mask=valid, other=1.0)
+    divisor = tl.where(weight > 0, weight, 1.0)  # a voxel no window served keeps its sums, 0
+    tl.store(sigma_ptr + rows, tl.load(sigma_ptr + rows, mask=valid, other=0.0) / divisor, mask=valid)
+    tl.store(rank_ptr + rows, tl.load(rank_ptr + rows, mask=valid, other=0.0) / divisor, mask=valid)
+    for t0 in range(0, n_volumes, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        element_valid = valid[:, None] & (t < n_volumes)[None, :]
+        image = image_ptr + rows[:, None] * n_volumes + t[None, :]
+        tl.store(image, tl.load(image, mask=element_valid, other=0.0) / divisor[:, None], mask=element_valid)
+
+
+def divide_rows(image, weight, sigma, rank, rows: slice):
+    """``image`` (V, T) and the ``sigma`` and ``rank`` maps (V,) divided by ``weight`` in ``rows``, in place
+    (rows of weight 0 keep their sums, 0): one launch for what took five torch operations."""
+    first, stop = rows.start, rows.stop
+    if stop > first:
+        n_volumes = image.shape[1]
+        _divide_rows_kernel[(triton.cdiv(stop - first, DIVIDE_ROWS),)](
+            image, weight, sigma, rank, first, stop, n_volumes, BLOCK_R=DIVIDE_ROWS,
+            BLOCK_T=min(64, triton.next_power_of_2(n_volumes)), num_warps=4)
+
+
+class SlabSums:
+    """The per-voxel sums of one slab's rows on the device: image (rows, T), weight, sigma and rank (rows,),
+    starting from the halo sums the previous slab ``carried`` into its first rows."""
+
+    def __init__(self, n_rows, n_volumes, device, carried=None):
+        self.image = torch.zeros((n_rows, n_volumes), dtype=torch.float32, device=device)
+        self.weight, self.sigma, self.rank = (torch.zeros(n_rows, dtype=torch.float32, device=device)
+                                              for _ in range(3))
+        if carried is not None:
+            for sums, values in zip(self.tensors(), carried):
+                sums[:len(values)] = values
+
+    def tensors(self):
+        return self.image, self.weight, self.sigma, self.rank
+
+    def zero_(self):
+        for sums in self.tensors():
+            sums.zero_()
+        return self
+
+    def tail(self, start):
+        """The sums of rows ``start`` on (the halo a next slab goes on adding into), or None if there are none."""
+        return tuple(x[start:].clone() for x in self.tensors()) if start < len(self.weight) else None
+
+    def divide(self, rows: slice):
+        """Values instead of sums in ``rows``: 0 where no patch served the voxel (its sums are 0)."""
+        divide_rows(self.image, self.weight, self.sigma, self.rank, rows)
+
+    def add(self, rows, image, weight, sigma, rank, replace=False):
+        """Add host-computed values into rows (or, with ``replace``, write them: centre aggregation)."""
+        index = to_device(rows, self.weight.device)
+        for sums, values in zip(self.tensors(), (image, weight, sigma, rank)):
+            values = to_device(np.asarray(values, dtype=np.float32), sums.device)
+            if replace:
+                sums[index] = values
+            else:
+                sums.index_add_(0, index, values)
+
+
+class Finisher:
+    """A slab's rows before ``final`` divided by their weights (with ``normalize``) and copied into the host
+    ``outputs`` from row ``first`` on, as they get their last addition (``up_to``): on the GPU, divided on the
+    current stream and downloaded on the ``downloads`` stream while the device goes on computing. The image's
+    rows go as they are finished, the three maps' (1/T of the image each) when asked (``maps``) and with the
+    last rows: fewer copies to queue (the host's queueing of copies can be a run's critical path). Without
+    ``outputs``: divided only (as captured in a graph, ``settling.PartFinishing``)."""
+
+    def __init__(self, sums, outputs, first, final, normalize, downloads):
+        self.sums, self.outputs, self.first, self.final = sums, outputs, first, final
+        self.normalize, self.downloads, self.done, self.maps_done = normalize, downloads, 0, 0
+        if downloads is not None:
+            for values in sums.tensors():  # read by the downloads: not reused before they are done
+                values.record_stream(downloads)
+
+    def divider(self):
+        """A ``Finisher`` of the same rows that divides them and copies nothing."""
+        return Finisher(self.sums, None, self.first, self.final, self.normalize, None)
+
+    def up_to(self, stop, maps=False, divided=None):
+        """Finish the rows from the last call's ``stop`` up to ``stop`` (at most ``final``); with ``maps`` (or
+        at ``final``) download the maps' rows finished since they last went too. ``divided``: an event after
+        the rows' division, done elsewhere (a replayed graph), instead of dividing them here."""
+        stop = min(stop, self.final)
+        rows = slice(self.done, stop)
+        copies = []
+        if rows.stop > rows.start:
+            if self.normalize and divided is None:
+                self.sums.divide(rows)
+            copies.append((0, rows))
+            self.done = stop
+        if (maps or stop == self.final) and stop > self.maps_done:
+            copies += [(k, slice(self.maps_done, stop)) for k in (1, 2, 3)]
+            self.maps_done = stop
+        if not copies or self.outputs is None:
+            return
+        tensors = self.sums.tensors()
+        if self.downloads is None:
+            for k, part in copies:
+                self.outputs[k][self.first + part.start:self.first + part.stop].copy_(tensors[k][part])
+            return
+        if divided is None:
+            divided = torch.cuda.Event()
+            divided.record(torch.cuda.current_stream(self.downloads.device))
+        self.downloads.wait_event(divided)
+        with torch.cuda.stream(self.downloads):
+            for k, part in copies:
+                self.outputs[k][self.first + part.start:self.first + part.stop].copy_(tensors[k][part],
+                                                                                      non_blocking=True)
