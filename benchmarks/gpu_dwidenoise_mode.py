@@ -49,7 +49,7 @@ def measure(blocks, repeats, baseline=None):
                          gram_precision=sums.info["gram_precision"], eigensolver=sums.info["eigensolver"]))
     whole = []
     for name, backend in backends.items():
-        ms, result = best_ms(lambda: backend.denoise(noisy, device="cuda", **DWIDENOISE_OPTIONS), 3)
+        ms, result = best_ms(lambda: backend.denoise(noisy, device="cuda", **DWIDENOISE_OPTIONS), 5, warmup=1)
         whole.append(dict(variant=f"{name}: denoise(device='cuda'), the whole call", best_ms=round(ms, 3),
                           relative_rms_to_float64=relative_rms(result.denoised, reference_image)))
     peak, _ = peak_gib(ours.run)

@@ -82,8 +82,11 @@ class Backend:
         return np.asarray(sums.image, dtype=np.float32).reshape(self.data.shape)
 
 
-def best_ms(call, repeats):
-    """The best of ``repeats`` calls, in ms (the device synchronised after each), and the last result."""
+def best_ms(call, repeats, warmup=0):
+    """The best of ``repeats`` calls after ``warmup`` more, in ms (the device synchronised after each), and
+    the last result."""
+    for _ in range(warmup):
+        call()
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
