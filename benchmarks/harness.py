@@ -38,8 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: The paths whose uncommitted changes make a result "dirty": the package and the benchmark scripts.
 MEASURED_PATHS = ("mppca_nipype", "benchmarks", ":(exclude)benchmarks/results")
-#: Where a copy of the tree without its git folder takes its commit from (``stamp()["commit"]``; ``dirty``
-#: is then unknown, None): set it to ``git rev-parse HEAD`` of the tree that was copied.
+#: The commit of a copy of the tree whose git folder is missing or not its own (a lent GPU machine), when
+#: set: ``stamp()["commit"]`` (``dirty`` is then unknown, None). Set it to ``git rev-parse HEAD`` of the
+#: tree that was copied, clean.
 COMMIT_VARIABLE = "BENCHMARK_COMMIT"
 #: Distributions whose versions are recorded when installed (distribution names, as pip knows them).
 LIBRARIES = ("mppca-nipype", "numpy", "scipy", "threadpoolctl", "torch", "triton", "nvmath-python", "nibabel",
@@ -53,8 +54,8 @@ _TORCH_QUERY = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent
 def stamp() -> dict:
     """Everything about this run that is known before it measures anything.
 
-    Returns a JSON-serialisable dict: ``commit`` (full hash; outside a git checkout, ``$BENCHMARK_COMMIT`` or
-    None), ``dirty`` (bool, None outside a git checkout),
+    Returns a JSON-serialisable dict: ``commit`` (full hash; ``$BENCHMARK_COMMIT`` when set; None outside a
+    git checkout), ``dirty`` (bool; None when unknown),
     ``dirty_files`` (those changed files), ``date`` (ISO 8601, UTC), ``hardware`` (see ``hardware()``),
     ``load_average`` (``{"start": [1, 5, 15 min]}``; ``finish`` adds ``"end"``), ``versions`` (see
     ``versions()``), ``python``, ``platform``, ``command`` (the interpreter and ``sys.argv``, shell-quoted),
@@ -63,8 +64,8 @@ def stamp() -> dict:
     """
     changed = _git("status", "--porcelain", "--", *MEASURED_PATHS)
     commit = _git("rev-parse", "HEAD")
-    if commit is None:  # a copy of the tree without its git folder (a lent GPU machine): as the caller says
-        commit = os.environ.get(COMMIT_VARIABLE)
+    if os.environ.get(COMMIT_VARIABLE):  # a copy of the tree whose git folder is not its own: as the caller says
+        commit, changed = os.environ[COMMIT_VARIABLE], None
     argv = [sys.executable, *sys.argv]
     return dict(
         commit=commit.strip() if commit else None,

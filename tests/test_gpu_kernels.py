@@ -362,7 +362,6 @@ def test_a_rank_at_the_threshold_is_unsettled_and_one_far_from_it_is_not():
         low, high = (middle, high) if rank_of(middle) == 0 else (low, middle)
 
     def unsettled(scale):
-        rank = marchenko_pastur_threshold(with_signal(scale), torch.tensor([200]), 30)[0]
         values = with_signal(scale)
         unsettled_kernel = threshold_on_device(values, torch.tensor([200]), 30, "exp2",
                                                rounding_uncertainty(values, slack=10.0))[2]
