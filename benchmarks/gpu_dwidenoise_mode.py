@@ -13,16 +13,11 @@ JSON (and Markdown beside it) to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import os
-from pathlib import Path
-
 import numpy as np
 
-from gpu_timing import DWIDENOISE_OPTIONS, Backend, interleaved, load_package, peak_gib, relative_rms, seed_phantom
-from harness import stamp, stamp_markdown, write_result
+from gpu_timing import (BASELINE, DWIDENOISE_OPTIONS, Backend, interleaved, load_package, peak_gib, relative_rms,
+                        run_benchmark, seed_phantom)
 
-HERE = Path(__file__).resolve().parent
 FLOAT64 = dict(precision="float64", eigensolver="xsyev")
 
 
@@ -44,10 +39,9 @@ def measure(blocks, repeats, baseline=None):
     rows = []
     for name, times in by_block.items():
         result = results[name]
-        denoised = result.denoised if hasattr(result, "denoised") else ours.denoised(result)
         rank = result.rank.reshape(-1)
         rows.append(dict(variant=name, best_ms=min(times), ms_by_block=times,
-                         relative_rms_to_float64=relative_rms(denoised, reference_image),
+                         relative_rms_to_float64=relative_rms(ours.denoised(result), reference_image),
                          rank_equal=float(np.mean(np.abs(rank - reference_rank) < 1e-3)),
                          n_settled_in_float64=result.info["n_settled_in_float64"],
                          gram_precision=result.info["gram_precision"], eigensolver=result.info["eigensolver"]))
@@ -67,19 +61,9 @@ def markdown(result):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--baseline", help="a checkout whose mppca_nipype is timed beside this one")
-    parser.add_argument("--out", default=str(HERE / "results" / "gpu_dwidenoise_mode.json"))
-    args = parser.parse_args()
-    run = stamp()
-    result = dict(stamp=run, **measure(args.blocks, args.repeats, args.baseline))
-    table = markdown(result)
-    write_result(args.out, result, markdown=stamp_markdown(run) + "\n\n" + table)
-    print(table)
+    run_benchmark(__doc__, "gpu_dwidenoise_mode", measure, markdown, ("--blocks", dict(type=int, default=3)),
+                  ("--repeats", dict(type=int, default=5)), BASELINE)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

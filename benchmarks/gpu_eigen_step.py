@@ -14,20 +14,15 @@ rests on it. JSON (and Markdown beside it) to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import os
-from pathlib import Path
 import time
 
 import torch
 
-import gpu_timing  # noqa: F401 - puts this tree's package on the path
-from harness import stamp, stamp_markdown, write_result
+from gpu_timing import run_benchmark  # (also puts this tree's package on the path)
 from mppca_nipype.engine.estimators import marchenko_pastur_threshold
 from mppca_nipype.engine.gpu.cusolver import BatchedEigh
 from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
 
-HERE = Path(__file__).resolve().parent
 ORDERS = (32, 48, 64, 96, 128)
 
 
@@ -90,7 +85,7 @@ def measure(count):
                 row["projector_error"] = float((projector.double() - projector64).abs().amax(dim=(1, 2))[same].max())
             rows.append(row)
             print(row, flush=True)
-        del matrices, work, projector64
+        del matrices, projector64
         xsyev.release_workspaces()
         torch.cuda.empty_cache()
     return dict(rows=rows)
@@ -108,17 +103,8 @@ def markdown(result):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=12_600)
-    parser.add_argument("--out", default=str(HERE / "results" / "gpu_eigen_step.json"))
-    args = parser.parse_args()
-    run = stamp()
-    result = dict(stamp=run, **measure(args.count))
-    table = markdown(result)
-    write_result(args.out, result, markdown=stamp_markdown(run) + "\n\n" + table)
-    print(table)
+    run_benchmark(__doc__, "gpu_eigen_step", measure, markdown, ("--count", dict(type=int, default=12_600)))
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

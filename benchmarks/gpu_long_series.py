@@ -12,18 +12,12 @@ JSON (and Markdown beside it) to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import os
-from pathlib import Path
-
 import numpy as np
 
-from gpu_timing import Backend, best_ms, load_package, peak_gib, relative_rms
-from harness import stamp, stamp_markdown, write_result
+from gpu_timing import Backend, best_ms, load_package, peak_gib, relative_rms, run_benchmark
 from mppca_nipype.engine import DEFAULTS
 from mppca_nipype.phantoms import dwi_phantom, low_rank_phantom
 
-HERE = Path(__file__).resolve().parent
 #: (name, full shape, crop shape for the CPU comparison, T)
 SERIES = (("DWI-like", (96, 96, 60), (40, 40, 24), 300), ("fMRI-like", (64, 64, 40), (28, 28, 18), 1000))
 
@@ -68,17 +62,8 @@ def markdown(result):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(HERE / "results" / "gpu_long_series.json"))
-    args = parser.parse_args()
-    run = stamp()
-    result = dict(stamp=run, **measure(args.repeats))
-    table = markdown(result)
-    write_result(args.out, result, markdown=stamp_markdown(run) + "\n\n" + table)
-    print(table)
+    run_benchmark(__doc__, "gpu_long_series", measure, markdown, ("--repeats", dict(type=int, default=3)))
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

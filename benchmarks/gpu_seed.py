@@ -14,17 +14,10 @@ the article's step is taken within each block. JSON (and Markdown beside it) to 
 
 from __future__ import annotations
 
-import argparse
-import os
-from pathlib import Path
-
 import numpy as np
 
-from gpu_timing import (ARTICLE_STEP, SEED_OPTIONS, Backend, interleaved, load_package, peak_gib, relative_rms,
-                        seed_phantom)
-from harness import stamp, stamp_markdown, write_result
-
-HERE = Path(__file__).resolve().parent
+from gpu_timing import (ARTICLE_STEP, BASELINE, SEED_OPTIONS, Backend, interleaved, load_package, peak_gib,
+                        relative_rms, run_benchmark, seed_phantom)
 
 
 def measure(blocks, repeats, baseline=None):
@@ -44,13 +37,12 @@ def measure(blocks, repeats, baseline=None):
     rows = []
     for name, times in by_block.items():
         result = results[name]
-        denoised = result.denoised if hasattr(result, "denoised") else ours.denoised(result)
         info = result.info
         ratios = [a / t for a, t in zip(article, times)]
         rows.append(dict(variant=name, best_ms=min(times), ms_by_block=times,
                          speedup_over_article_best_block=round(max(ratios), 2),
                          speedup_over_article_median=round(float(np.median(ratios)), 2),
-                         relative_rms_to_float64=relative_rms(denoised, reference),
+                         relative_rms_to_float64=relative_rms(ours.denoised(result), reference),
                          n_settled_in_float64=info["n_settled_in_float64"], first_pass=info.get("first_pass"),
                          gram_path=info["gram_path"], eigensolver=info["eigensolver"]))
     peak, _ = peak_gib(ours.run)
@@ -71,19 +63,9 @@ def markdown(result):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--baseline", help="a checkout whose mppca_nipype is timed beside this one")
-    parser.add_argument("--out", default=str(HERE / "results" / "gpu_seed.json"))
-    args = parser.parse_args()
-    run = stamp()
-    result = dict(stamp=run, **measure(args.blocks, args.repeats, args.baseline))
-    table = markdown(result)
-    write_result(args.out, result, markdown=stamp_markdown(run) + "\n\n" + table)
-    print(table)
+    run_benchmark(__doc__, "gpu_seed", measure, markdown, ("--blocks", dict(type=int, default=5)),
+                  ("--repeats", dict(type=int, default=7)), BASELINE)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

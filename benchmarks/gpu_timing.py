@@ -77,9 +77,11 @@ class Backend:
     def run(self, **settings):
         return self.denoise_gpu(self.data, self.finite, self.plan, self.options, **settings)
 
-    def denoised(self, sums):
-        """The denoised series of a run's (normalized) sums."""
-        return np.asarray(sums.image, dtype=np.float32).reshape(self.data.shape)
+    def denoised(self, result):
+        """The denoised series of a run: ``denoise_gpu``'s (normalized) sums, or ``denoise``'s result."""
+        if hasattr(result, "denoised"):
+            return result.denoised
+        return np.asarray(result.image, dtype=np.float32).reshape(self.data.shape)
 
 
 def best_ms(call, repeats, warmup=0):
@@ -124,3 +126,30 @@ def peak_gib(call):
     result = call()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() / 2**30, result
+
+
+def run_benchmark(doc, name, measure, markdown, *arguments):
+    """A GPU benchmark's command line: ``arguments`` ((flag, ``add_argument``'s keywords), ...) and ``--out``
+    (default ``benchmarks/results/NAME.json``); ``measure(**their values)`` gives the result's fields, stamped
+    (``harness.stamp``) and written with ``markdown(result)``'s table beside it, which is printed last."""
+    import argparse
+    import os
+
+    from harness import stamp, stamp_markdown, write_result
+
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for flag, keywords in arguments:
+        parser.add_argument(flag, **keywords)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / f"{name}.json"))
+    values = vars(parser.parse_args())
+    out = values.pop("out")
+    run = stamp()
+    result = dict(stamp=run, **measure(**values))
+    table = markdown(result)
+    write_result(out, result, markdown=stamp_markdown(run) + "\n\n" + table)
+    print(table)
+
+
+#: ``--baseline``'s keywords for ``run_benchmark``.
+BASELINE = ("--baseline", dict(help="a checkout whose mppca_nipype is timed beside this one, in the same blocks"))
