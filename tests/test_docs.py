@@ -90,3 +90,22 @@ def test_the_outputs_page_names_what_bids_py_names():
         assert name in text, f"outputs.md does not show {name}"
     for pattern in BIDSIGNORE:
         assert f"`{pattern}`" in text
+
+
+def test_every_benchmark_result_is_cited_by_benchmarks_md_and_records_its_commit():
+    """docs/benchmarks.md cites each file of benchmarks/results (by name), and each JSON names the commit it
+    measured (``harness.stamp``'s ``commit``, or the older ``machine.git_commit``)."""
+    import json
+
+    results = DOCS.parent / "benchmarks" / "results"
+    text = (DOCS / "benchmarks.md").read_text()
+    jsons = sorted(results.glob("*.json"))
+    assert jsons
+    for path in sorted(results.iterdir()):
+        cited = path.name in text or (path.suffix == ".md" and path.with_suffix(".json").name in text)
+        assert cited, f"docs/benchmarks.md does not cite benchmarks/results/{path.name}"
+    for path in jsons:
+        data = json.loads(path.read_text())
+        commit = (data.get("stamp") or {}).get("commit") or (data.get("machine") or {}).get("git_commit")
+        assert commit and re.fullmatch(r"[0-9a-f]{40}", commit), f"{path.name} records no commit"
+        assert commit[:7] in text, f"docs/benchmarks.md does not give {path.name}'s commit {commit[:7]}"
