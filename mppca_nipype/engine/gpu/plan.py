@@ -43,8 +43,9 @@ MAX_BATCH = 16384
 MEMORY_SHARE = 0.5
 #: Smallest batch an out-of-memory retry goes down to (below it the GPU would gain nothing over the CPU).
 MIN_BATCH = 64
-#: Largest m for which "auto" takes the tridiagonal kernels in float32 (2-4x faster than XsyevBatched for
-#: m <= 64, slower beyond, where the matrix fills 128 x 128 registers; docs/benchmarks.md, "Eigen step").
+#: Largest m for which "auto" takes the tridiagonal kernels in float32: 5-7x faster than XsyevBatched in the
+#: eigen step up to 64, 1.5-1.8x at 96 and 128, where end-to-end runs and the settling slack are yet to be
+#: measured (docs/benchmarks.md, "The eigen step").
 AUTO_TRIDIAGONAL_MAX_ORDER = 64
 #: Priority of the settling pass's stream (lower is higher; -1 or below is the highest torch gives): its short
 #: chain of small launches is not queued behind the first pass's many programs.
