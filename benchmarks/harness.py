@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: The paths whose uncommitted changes make a result "dirty": the package and the benchmark scripts.
 MEASURED_PATHS = ("mppca_nipype", "benchmarks", ":(exclude)benchmarks/results")
-#: The commit of a copy of the tree whose git folder is missing or not its own (a lent GPU machine), when
+#: The commit of a copy of the tree whose git folder is missing or not its own (a tree sent to a GPU machine), when
 #: set: ``stamp()["commit"]`` (``dirty`` is then unknown, None). Set it to ``git rev-parse HEAD`` of the
 #: tree that was copied, clean.
 COMMIT_VARIABLE = "BENCHMARK_COMMIT"

@@ -135,23 +135,11 @@ class SlabWindows:
         long series."""
         run, n_volumes = self.run, self.volume.shape[1]
         selection = self._select(windows)
-        n_voxels = run.voxel_offsets.numel()
         # no demeaning in float32 with the tridiagonal kernels: the Gram of the undemeaned patch is
         # n mu mu^T + (the volume-demeaned Gram), exactly; the kernels take the second and the rank-one term
         # apart (``TridiagonalEigh.values(rank_one=...)``), so the patch's mean costs no precision
         rank_one = run.mean_apart and dtype == torch.float32
-        gathered = volume_mean = None
-        if self.box_gram is not None and isinstance(windows, slice) and dtype == torch.float32:  # first pass
-            grams = self.box_gram[windows].clone()  # the solver overwrites it; a retried batch needs it whole
-            n_took_part = torch.full((len(grams),), n_voxels, dtype=torch.int32, device=run.device)
-        elif fused:
-            grams, n_took_part, volume_mean = gram(self.volume, self.finite, selection.base, run.voxel_offsets,
-                                                   demean="volume" if rank_one else run.demean, dtype=dtype,
-                                                   count=selection.count)
-        else:
-            grams, *gathered = gather_gram(self.volume, self.finite, selection.base, run.voxel_offsets, run.demean,
-                                           torch.float64 if refine else dtype, n_voxels >= n_volumes)
-            n_took_part = gathered[2].sum(dim=1).to(torch.int32)
+        grams, n_took_part, volume_mean, gathered = self._grams(windows, selection, dtype, fused, refine, rank_one)
         values, info, scale = eigenvalues_of(run.solver, grams, dtype, refine, rank_one, n_took_part, volume_mean,
                                              selection.count)
         # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
@@ -181,6 +169,23 @@ class SlabWindows:
         self._reconstruct(windows, selection, fused, gathered, volume_mean if not rank_one else None, projector,
                           patch_weight, torch.sqrt(sigma2).to(torch.float32), patch_rank.to(torch.float32))
         return info, unsettled
+
+    def _grams(self, windows, selection, dtype, fused, refine, rank_one):
+        """Step 1 of ``batch``: the Gram matrices (B, m, m), the voxels that took part (B,), and the patches'
+        mean time courses (fused kernels, volume demeaning) or the gathered path's (patches, means, took_part,
+        voxels) for its reconstruction (else None)."""
+        run, n_voxels = self.run, self.run.voxel_offsets.numel()
+        if self.box_gram is not None and isinstance(windows, slice) and dtype == torch.float32:  # first pass
+            grams = self.box_gram[windows].clone()  # the solver overwrites it; a retried batch needs it whole
+            return grams, torch.full((len(grams),), n_voxels, dtype=torch.int32, device=run.device), None, None
+        if fused:
+            grams, n_took_part, volume_mean = gram(self.volume, self.finite, selection.base, run.voxel_offsets,
+                                                   demean="volume" if rank_one else run.demean, dtype=dtype,
+                                                   count=selection.count)
+            return grams, n_took_part, volume_mean, None
+        grams, *gathered = gather_gram(self.volume, self.finite, selection.base, run.voxel_offsets, run.demean,
+                                       torch.float64 if refine else dtype, n_voxels >= self.volume.shape[1])
+        return grams, gathered[2].sum(dim=1).to(torch.int32), None, gathered
 
     def _select(self, windows) -> _Selection:
         """The batch's windows (see ``batch``) as the kernels take them."""

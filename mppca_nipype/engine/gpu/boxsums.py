@@ -321,12 +321,12 @@ class BoxSums:
                     self._line_maps[first * ny * c:stop * ny * c], stop - first, b, ny, c * 3)
         self.planes_spread = stop
 
-    def accumulate(self, volume, image, weight, sigma, rank, planes_per_piece=None, on_final=None):
+    def accumulate(self, volume, image, weight, sigma, rank):
         """Add every window's w (X_c P + mean) of the slab's ``volume`` into ``image`` (V, T) and w, w sigma,
         w rank into the maps (V,) (spreading first what ``spread`` has not): ``apply`` over every plane."""
         self.spread()
         self.planes_spread = 0  # (for another run of the box)
-        self.apply(volume, image, weight, sigma, rank, 0, self.shape[0], planes_per_piece, on_final)
+        self.apply(volume, image, weight, sigma, rank, 0, self.shape[0])
 
     def apply(self, volume, image, weight, sigma, rank, first_plane, stop_plane, planes_per_piece=None,
               on_final=None):

@@ -3,8 +3,8 @@
 The eigensolver of matrices the tridiagonal kernels do not take (m > 64 by default, float64 first passes)
 and of the gathered path's long series, whose eigenvalues it refines in float64 (``ProjectorFromVectors.refine``).
 One call decomposes a whole batch of m x m matrices on torch's current stream, with no host
-synchronisation: the per-matrix ``info`` stays on the device, the pipeline reads it once at the end and
-redoes failed matrices on the CPU. Workspaces are cached per (batch, m, dtype).
+synchronisation: the per-matrix ``info`` stays on the device; the settling pass reads it once, after the
+first pass, and redoes failed matrices in float64, then on the CPU (``settling.settle_on_host``). Workspaces are cached per (batch, m, dtype).
 
 ``torch.linalg.eigh`` is the fallback when nvmath-python is missing (with a warning: on torch < 2.12 it
 loops over the batch on the host for m > 32, ~75x slower on the seed's problem), and the only path for

@@ -73,7 +73,7 @@ def or_placeholder(volume_mean, like):
 
 @triton.jit
 def patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
-                n_voxels: tl.constexpr, n_volumes: tl.constexpr, BLOCK_N: tl.constexpr):
+               n_voxels: tl.constexpr, n_volumes: tl.constexpr, BLOCK_N: tl.constexpr):
     """Voxels ``start .. start + BLOCK_N`` of the window at corner row ``base``, read straight from the
     volume: their rows (BLOCK_N,), which of them exist (BLOCK_N,) and their time courses (BLOCK_N, BLOCK_T),
     0 past the patch or past T."""
@@ -84,12 +84,13 @@ def patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
                 mask=voxel_valid[:, None] & volume_valid[None, :], other=0.0)
     return row, voxel_valid, x
 
+
 @triton.jit
 def _gram_chunk(volume_ptr, finite_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
                 n_voxels: tl.constexpr, n_volumes: tl.constexpr, FP64: tl.constexpr, BLOCK_N: tl.constexpr):
     """``patch_rows``' time courses in the Gram's precision, and which of the voxels take part (finite)."""
     row, voxel_valid, x = patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
-                                      n_voxels, n_volumes, BLOCK_N)
+                                     n_voxels, n_volumes, BLOCK_N)
     took = tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
     if FP64:
         x = x.to(tl.float64)
@@ -147,14 +148,11 @@ def _gram_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, gra
     tl.store(n_took_part_ptr + window, tl.sum(took_part, axis=0).to(tl.int32))
 
 
-
-
 def gram(volume, finite, window_base, voxel_offsets, *, demean: str, dtype=torch.float32, count=None):
     """Gram matrices X_c^T X_c (B, T, T) of the windows at ``window_base``, their voxels taking part (B,)
-    and, for ``demean="volume"``, each patch's mean time course (B, T) float32 (else None).
-    ``count`` (a device
-    integer tensor of one element): only the first ``count`` windows are computed, the rest left unwritten
-    (a batch sized before the device knows how many windows it holds, with no synchronisation).
+    and, for ``demean="volume"``, each patch's mean time course (B, T) float32 (else None). ``count`` (a
+    device integer tensor of one element): only the first ``count`` windows are computed, the rest left
+    unwritten (a batch sized before the device knows how many windows it holds, with no synchronisation).
 
     ``window_base`` (B,) int64: corner row of each window; ``voxel_offsets`` (n,) int32: rows from the
     corner. ``demean``: "none", "voxel" (remove each voxel's temporal mean) or "volume" (remove the mean

@@ -4,7 +4,8 @@ Queued by the host, each part of the first pass is ~30 torch operations and 6 Tr
 host's queueing becomes the run's critical path; replayed, it is one launch a part. The graphs are kept
 between runs of one geometry (shape, extent, stride, options and settings) in the process: a dataset's runs
 mostly share one. ``MPPCA_GPU_GRAPHS=0`` in the environment turns them off (each run then queues its first
-pass itself, and keeps no device memory between runs).
+pass itself, and keeps no device memory for them between runs). A capture holds the module constants it
+was captured with (the settling slacks among them): a geometry's later runs replay them.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class FirstPassGraphs:
         # the finishing's graphs run beside the first pass's: a pool of their own (one graph's freed blocks
         # are another's to reuse only among graphs that run one after the other)
         finishing_pool = torch.cuda.graph_pool_handle()
-        divider = finishing.finisher.divider() if finishing.finisher is not None else None
+        divider = finishing.finisher.divider()
         counted_before = len(run.settled_on_device)
         # captured on a stream of its own (nothing runs there) with the graph API itself: ``torch.cuda.graph``
         # would also synchronise and hand torch's cached memory back, so that the next runs allocate anew

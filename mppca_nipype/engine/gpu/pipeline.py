@@ -230,6 +230,7 @@ def run_slab(run, slab, arrive, sums, report, data, finite_host, finisher, timel
         timeline.mark("settling pass queued")
         if settled is not None:
             timeline.mark("settling pass done (its stream)", settled)
+        timeline.mark("reconstruction queued")
     else:
         settle_on_host(run, windows, verdicts, data, finite_host, slab.windows.start,
                        slab.first * run.plan.spatial_shape[1] * run.plan.spatial_shape[2])

@@ -44,8 +44,8 @@ MEMORY_SHARE = 0.5
 #: Smallest batch an out-of-memory retry goes down to (below it the GPU would gain nothing over the CPU).
 MIN_BATCH = 64
 #: Largest m for which "auto" takes the tridiagonal kernels in float32: 5-7x faster than XsyevBatched in the
-#: eigen step up to 64, 1.5-1.8x at 96 and 128, where end-to-end runs and the settling slack are yet to be
-#: measured (docs/benchmarks.md, "The eigen step").
+#: eigen step up to 64 (docs/benchmarks.md, "The eigen step"); 1.5-1.8x at 96 and 128, but their settling
+#: slack (``threshold.TRIDIAGONAL_SETTLE_SLACK``) rests on measurements at m = 48.
 AUTO_TRIDIAGONAL_MAX_ORDER = 64
 #: Priority of the settling pass's stream (lower is higher; -1 or below is the highest torch gives): its short
 #: chain of small launches is not queued behind the first pass's many programs.
@@ -223,7 +223,7 @@ class GPURun:
     counts of windows redone)."""
 
     def __init__(self, plan, options, device, settings: GPUSettings, n_volumes):
-        self.plan, self.options, self.device, self.settings = plan, options, device, settings
+        self.plan, self.options, self.device = plan, options, device
         self.path, self.max_batch = settings.path, settings.max_batch
         self.demean, self.center = options.demean, options.aggregation == "center"
         self.dtype = gram_precision(options, settings.precision, takes_mean_apart(

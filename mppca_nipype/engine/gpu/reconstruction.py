@@ -46,7 +46,7 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
                                   other=0.0)
         for start in range(0, n_voxels, BLOCK_N):
             row, voxel_valid, x = patch_rows(volume_ptr, voxel_offsets_ptr, base, start, t, volume_valid,
-                                              n_voxels, n_volumes, BLOCK_N)
+                                             n_voxels, n_volumes, BLOCK_N)
             element_valid = voxel_valid[:, None] & volume_valid[None, :]
             # the patch's rows projected on its signal components, the means put back
             if DEMEAN == "voxel":
@@ -93,7 +93,6 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
             patch_weight, patch_sigma, patch_rank, image, weight, sigma, rank, voxel_offsets.numel(), n_volumes,
             DEMEAN=demean, DOT=RECONSTRUCTION_DOT,
             BLOCK_N=block_voxels(n_volumes), BLOCK_T=block_volumes(n_volumes), num_warps=4)
-
 
 
 @triton.jit

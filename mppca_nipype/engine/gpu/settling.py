@@ -33,6 +33,7 @@ from .plan import run_in_batches
 FINAL_PIECES = 8
 
 
+#: Windows ``_choose_kernel`` looks at per step of its loop.
 CHOOSE_BLOCK = 1024
 
 
@@ -65,7 +66,7 @@ def choose_windows(info, unsettled, base, multiplicity, first=0):
     (``info`` (n,) int32 not 0: a failed eigensolve; ``unsettled`` (n,) bool), their ``base`` rows and
     ``multiplicity`` (the slab's, by window) compacted to the front in order, their ``count`` (a 0-d int64
     tensor) and ``asked`` (n,) bool: the places before the count. The places past the count are left
-    unwritten. One launch for what took ~20 torch operations (a sort among them)."""
+    unwritten. One launch, where torch would take ~20 operations (a sort among them)."""
     n_windows = info.numel()
     device = info.device
     chosen_base = torch.empty(n_windows, dtype=base.dtype, device=device)
@@ -114,9 +115,6 @@ def settle_on_device(run, windows, verdicts, timed=False):
     referenced until that wait is queued (so no block it reads is handed to the current stream's later work
     before it is done). Returns the event the current stream waits for (with ``timed``, one that times), or
     None without a stream of its own."""
-    if run.side is not None and windows.verdicts_ready is None:  # (no batch recorded one)
-        windows.verdicts_ready = torch.cuda.Event()
-        windows.verdicts_ready.record(torch.cuda.current_stream(run.device))
     with torch.cuda.stream(run.side) if run.side is not None else nullcontext():
         if run.side is not None:
             run.side.wait_event(windows.verdicts_ready)
@@ -171,7 +169,7 @@ class PartFinishing:
     wrote, and the planes a part reconstructs were spread (by the first pass's stream) before it; the first
     pass never writes the sums. ``close()`` makes the current stream wait for the side stream's last work."""
 
-    def __init__(self, run, windows, finisher, timeline=None):
+    def __init__(self, run, windows, finisher, timeline):
         self.run, self.windows, self.finisher, self.timeline = run, windows, finisher, timeline
         self.stream, self.windows_done, self.planes_done = run.side, 0, 0
         self.planes_per_piece = -(-windows.box.shape[0] // FINAL_PIECES)
@@ -189,15 +187,14 @@ class PartFinishing:
         stop = box.final_planes(ready)
         box.apply(self.windows.volume, *self.windows.sums.tensors(), self.planes_done, stop, self.planes_per_piece,
                   on_final)
-        if on_final is not None:
-            on_final(stop * box.shape[1] * box.shape[2], maps=True)
+        on_final(stop * box.shape[1] * box.shape[2], maps=True)
         self.planes_done = stop
 
     def part(self, ready, verdicts, verdicts_ready=None):
         """The first pass is queued up to window ``ready``: ``verdicts`` those of its windows from the last
         part's ``ready`` on, ``verdicts_ready`` an event after them on the current stream (None: after all the
         part). Queues the part's finishing."""
-        on_final = self.finisher.up_to if self.finisher is not None else None
+        on_final = self.finisher.up_to
         if self.stream is None:
             self._settle(ready, verdicts)
             self._apply(ready, on_final)
@@ -224,8 +221,7 @@ class PartFinishing:
         pieces = []
 
         def divided(stop, maps=False):
-            if divider is not None:
-                divider.up_to(stop)
+            divider.up_to(stop)
             event = torch.cuda.Event(external=True)
             event.record(torch.cuda.current_stream(self.run.device))
             pieces.append((stop, maps, event))
@@ -250,9 +246,8 @@ class PartFinishing:
             self.stream.wait_event(verdicts_ready if verdicts_ready is not None else spread)
             settling.replay()
             self._reconstruct(ready, spread, reconstruction.replay)
-        if self.finisher is not None:
-            for stop, maps, event in pieces:
-                self.finisher.up_to(stop, maps, divided=event)
+        for stop, maps, event in pieces:
+            self.finisher.up_to(stop, maps, divided=event)
 
     def reset(self):
         """For a first pass from its first window again (after ``capture``)."""
@@ -265,7 +260,7 @@ class PartFinishing:
         return event
 
     def _mark(self, step):
-        if self.timeline is not None and self.timeline.enabled:
+        if self.timeline.enabled:
             self.timeline.mark(step, self._record(self.stream, timed=True))
 
     def close(self):

@@ -16,6 +16,7 @@ import triton.language as tl
 from .upload import to_device
 
 
+#: Rows per program of ``_divide_rows_kernel``.
 DIVIDE_ROWS = 32
 
 
@@ -37,7 +38,7 @@ def _divide_rows_kernel(image_ptr, weight_ptr, sigma_ptr, rank_ptr, first, stop,
 
 def divide_rows(image, weight, sigma, rank, rows: slice):
     """``image`` (V, T) and the ``sigma`` and ``rank`` maps (V,) divided by ``weight`` in ``rows``, in place
-    (rows of weight 0 keep their sums, 0): one launch for what took five torch operations."""
+    (rows of weight 0 keep their sums, 0), in one launch."""
     first, stop = rows.start, rows.stop
     if stop > first:
         n_volumes = image.shape[1]

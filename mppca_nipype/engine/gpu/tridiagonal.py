@@ -415,7 +415,7 @@ class TridiagonalEigh:
     def values(self, matrices, rank_one=None, count=None):
         """Eigenvalues of ``matrices`` (see the class), or with ``rank_one = (w, rho)`` ((B, m) unit vectors,
         (B,) weights >= 0) of ``matrices + rho w w^T``: the rank-one term enters the tridiagonal form as one
-        number added to d_0, so a huge rho (an undemeaned patch's mean, ``pipeline``) costs the other
+        number added to d_0, so a huge rho (an undemeaned patch's mean, ``batch.eigenvalues_of``) costs the other
         eigenvalues no precision: they come out to a rounding of ``matrices``' scale, not of rho's.
         ``count`` (a device integer tensor of one element): only the first ``count`` matrices are solved
         (here and by ``projector``), the rest left unwritten; such a launch takes ``COUNTED_LAUNCH``'s warps and
