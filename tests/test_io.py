@@ -95,3 +95,54 @@ def test_a_held_lock_refuses_another_process_that_will_not_wait(tmp_path):
     with io.file_lock(lock):
         assert subprocess.run(other).returncode == 3
     assert subprocess.run(other).returncode == 0, "the lock must go with the block's end"
+
+
+def test_compressed_outputs_are_standard_gzip_with_the_references_geometry(tmp_path):
+    """``save_like`` to .nii.gz (ISA-L on threads): Python's own gzip decompresses it to the NIfTI nibabel
+    writes, and MRtrix3 reads it; the values, affine and units are the reference's."""
+    import gzip
+
+    import nibabel as nib
+
+    from conftest import require
+
+    rng = np.random.default_rng(3)
+    values = (1000 + 30 * rng.standard_normal((23, 19, 11, 7))).astype(np.float32)
+    reference = nib.Nifti1Image(values, np.diag([2.0, 2.5, 3.0, 1.0]))
+    reference.header.set_xyzt_units("mm", "sec")
+    path = io.save_like(values, reference, tmp_path / "out.nii.gz")
+    unpacked = nib.Nifti1Image.from_bytes(gzip.decompress(path.read_bytes()))
+    np.testing.assert_array_equal(np.asarray(unpacked.dataobj), values)
+    np.testing.assert_array_equal(unpacked.affine, reference.affine)
+    assert unpacked.header.get_xyzt_units() == ("mm", "sec")
+    size = subprocess.run([require("mrinfo"), str(path), "-size"], capture_output=True, text=True, check=True)
+    assert size.stdout.split() == ["23", "19", "11", "7"]
+
+
+@pytest.mark.parametrize("dtype, slope, inter", [(np.float32, 1.0, 0.0), (np.int16, 2.5, 10.0)])
+def test_compressed_inputs_read_as_nibabel_reads_them(tmp_path, dtype, slope, inter):
+    """``read_data`` of a .nii.gz written by nibabel's own gzip (ISA-L decompresses it): nibabel's values,
+    scaling applied."""
+    import nibabel as nib
+
+    rng = np.random.default_rng(4)
+    stored = rng.integers(0, 3000, size=(13, 11, 9, 5)).astype(dtype)
+    image = nib.Nifti1Image(stored, np.eye(4))
+    image.header.set_slope_inter(slope, inter)
+    nib.save(image, tmp_path / "in.nii.gz")
+    loaded = nib.load(tmp_path / "in.nii.gz")
+    got = io.read_data(loaded, tmp_path / "in.nii.gz")
+    np.testing.assert_array_equal(got, loaded.get_fdata(dtype=np.float32))
+    assert got.dtype == np.float32 and np.abs(got).max() > 1000
+
+
+def test_a_truncated_compressed_input_fails_with_one_sentence(tmp_path):
+    import nibabel as nib
+
+    values = np.random.default_rng(5).standard_normal((19, 18, 17, 6)).astype(np.float32)
+    nib.save(nib.Nifti1Image(values, np.eye(4)), tmp_path / "in.nii.gz")
+    data = (tmp_path / "in.nii.gz").read_bytes()
+    (tmp_path / "cut.nii.gz").write_bytes(data[:len(data) // 2])
+    image = io.load_image(tmp_path / "cut.nii.gz")  # the header is there, half the voxels are not
+    with pytest.raises(MPPCAInputError, match="corrupt or truncated"):
+        io.read_data(image, tmp_path / "cut.nii.gz")
