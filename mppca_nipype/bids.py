@@ -111,7 +111,7 @@ def sha256_file(path) -> str:
 
 
 def collect_provenance(result, in_file, *, parameters, wall_seconds, mask_file=None, mask=None,
-                       warnings=()) -> dict:
+                       warnings=(), timings=None) -> dict:
     """The provenance block of one run.
 
     Parameters
@@ -128,6 +128,9 @@ def collect_provenance(result, in_file, *, parameters, wall_seconds, mask_file=N
         The medians of the noise and rank maps are taken inside the mask (every voxel without one).
     warnings : list of str
         What the engine warned about.
+    timings : dict, optional
+        Seconds by phase of the run (``phases.Phases.as_dict()``: read, denoise with the engine's parts,
+        write).
     """
     inside = np.ones(result.sigma.shape, bool) if mask is None else np.asarray(mask, bool)
     info = dict(result.info)
@@ -138,6 +141,7 @@ def collect_provenance(result, in_file, *, parameters, wall_seconds, mask_file=N
         "EngineInfo": info,
         "SoftwareVersions": package_versions(),
         "WallTimeSeconds": round(float(wall_seconds), 3),
+        "Timings": dict(timings or {}),
         "NoiseMedian": float(np.median(result.sigma[inside])) if inside.any() else None,
         "RankMedian": float(np.median(result.rank[inside])) if inside.any() else None,
         "InputFile": Path(in_file).name,

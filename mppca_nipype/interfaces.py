@@ -196,9 +196,12 @@ class MPPCADenoise(SimpleInterface):
         from . import io
         from .bids import collect_provenance
         from .engine import available_cpus
+        from .phases import Phases
 
         start = time.perf_counter()
-        data, image = io.load_series(self.inputs.in_file)
+        phases = Phases()
+        with phases("read"):
+            data, image = io.load_series(self.inputs.in_file)
         mask = None
         if isdefined(self.inputs.mask):
             mask = io.load_mask(self.inputs.mask, data.shape[:3])
@@ -207,24 +210,27 @@ class MPPCADenoise(SimpleInterface):
                           demean=self.inputs.demean)
         # never more workers than this process may use (its affinity, SLURM_CPUS_PER_TASK)
         nprocs = max(1, min(self.inputs.num_threads, available_cpus()))
-        result, notes, placement = denoise_on_device(data, mask, parameters, use_gpu=self.inputs.use_gpu,
-                                                     nprocs=nprocs)
+        with phases("denoise"):
+            result, notes, placement = denoise_on_device(data, mask, parameters, use_gpu=self.inputs.use_gpu,
+                                                         nprocs=nprocs)
+        phases.add("denoise", 0.0, parts=result.info["seconds"])
         for note in notes:
             LOGGER.warning("MPPCADenoise %s: %s", Path(self.inputs.in_file).name, note)
 
         out_file = fname_presuffix(self.inputs.in_file, suffix="_denoised", newpath=runtime.cwd)
         noise_file = fname_presuffix(self.inputs.in_file, suffix="_noise", newpath=runtime.cwd)
         rank_file = fname_presuffix(self.inputs.in_file, suffix="_rank", newpath=runtime.cwd)
-        io.save_like(result.denoised, image, out_file)
-        io.save_like(result.sigma, image, noise_file)
-        io.save_like(result.rank, image, rank_file)
+        with phases("write"):
+            io.save_like(result.denoised, image, out_file)
+            io.save_like(result.sigma, image, noise_file)
+            io.save_like(result.rank, image, rank_file)
 
         provenance = collect_provenance(
             result, self.inputs.in_file,
             mask_file=self.inputs.mask if isdefined(self.inputs.mask) else None,
             mask=mask, parameters=dict(parameters, use_gpu=bool(self.inputs.use_gpu),
                                        num_threads=self.inputs.num_threads),
-            wall_seconds=time.perf_counter() - start, warnings=notes)
+            wall_seconds=time.perf_counter() - start, warnings=notes, timings=phases.as_dict())
         provenance.update(placement)
         provenance_file = str(Path(runtime.cwd) / "provenance.json")
         io.write_json_atomic(provenance_file, provenance)

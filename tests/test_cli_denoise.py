@@ -190,6 +190,25 @@ def test_a_run_ends_with_one_summary_line(tmp_path, series_path):
     assert result.stdout == ""
 
 
+def test_timings_give_each_phase_of_the_command_and_their_total(tmp_path, series_path):
+    """``--timings`` (with ``--quiet``, alone): one line, the phases in order, each number a time, the
+    engine's parts within denoise, and a total that is at least their sum (start-up from the process's
+    start, on Linux)."""
+    import re
+
+    result = run_cli(series_path, tmp_path / "out.nii.gz", "--nprocs", "1", "--device", "cpu", "--quiet",
+                     "--timings")
+    assert result.returncode == 0
+    (line,) = stderr_lines(result)
+    match = re.fullmatch(rf"{PROG}: timings: start-up (\S+) s, checks (\S+) s, read (\S+) s, denoise (\S+) s "
+                         r"\(input check (\S+), plan (\S+), backend (\S+), output (\S+)\), write (\S+) s; "
+                         r"total (\S+) s", line)
+    assert match, line
+    start_up, checks, read, denoise_s, *parts, write, total = map(float, match.groups())
+    assert 0 < start_up < 60 and sum(parts) <= denoise_s + 0.01
+    assert start_up + checks + read + denoise_s + write <= total + 0.01
+
+
 def test_quiet_prints_nothing(tmp_path, series_path):
     result = run_cli(series_path, tmp_path / "out.nii.gz", "--nprocs", "1", "--quiet")
     assert result.returncode == 0 and result.stderr == "" and result.stdout == ""

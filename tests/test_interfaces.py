@@ -64,6 +64,11 @@ def test_provenance_records_parameters_backend_versions_and_checksum(series, tmp
     assert all(v for v in provenance["SoftwareVersions"].values())  # a version or 'not installed'
     assert provenance["InputSHA256"] == hashlib.sha256(series.read_bytes()).hexdigest()
     assert provenance["WallTimeSeconds"] > 0
+    timings = provenance["Timings"]  # seconds by phase, the engine's parts within "denoise"
+    assert list(timings) == ["read", "denoise", "write", "total"]
+    assert set(timings["denoise"]["parts"]) == {"input check", "plan", "backend", "output"}
+    assert sum(timings["denoise"]["parts"].values()) <= timings["denoise"]["seconds"] + 1e-3
+    assert timings["read"] + timings["denoise"]["seconds"] + timings["write"] <= timings["total"] + 1e-3
     # the phantom's noise is 20: the median estimate inside the image must be near it
     assert 10 < provenance["NoiseMedian"] < 30
     assert 0 <= provenance["RankMedian"] <= N_DWI

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import io
 from ..engine import DEVICES, MPPCAInputError, MPPCAWarning, check_device, denoise, resolve_options
+from ..phases import Phases, process_age
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, positive_int, say,
                      user_errors, warnings_as_lines)
 
@@ -69,6 +70,10 @@ def build_parser() -> ArgumentParser:
                              "SLURM_CPUS_PER_TASK under SLURM)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar and no summary; warnings and errors are still printed")
+    parser.add_argument("--timings", action="store_true",
+                        help="print where the time went: start-up (the interpreter and the imports), checks, "
+                             "read (with decompression), denoise (its input check, plan, backend and output "
+                             "assembly), write (with compression)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version}")
     return parser
 
@@ -81,9 +86,39 @@ def main(argv=None):
 
 
 def run(args, parser) -> None:
-    """Check everything, denoise, write the outputs together, print the summary."""
+    """Check everything, denoise, write the outputs together, print the summary (and the timings)."""
     started = time.perf_counter()
+    phases = Phases()
+    start_up = process_age()
+    if start_up is not None:
+        phases.add("start-up", start_up)
+    with phases("checks"):
+        image, mask, options, outputs = _checked(args, parser)
 
+    with io.staged_files(outputs, what=outputs) as staged:
+        with phases("read"):
+            data = io.read_data(image, args.input)
+        with phases("denoise"), ProgressBar(PROG, quiet=args.quiet) as progress:
+            result = denoise(data, mask, **options, device=args.device, nprocs=args.nprocs, progress=progress)
+        phases.add("denoise", 0.0, parts=result.info["seconds"])
+        maps = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
+        with phases("write"):
+            for path in outputs:
+                try:
+                    io.save_like(maps[path], image, staged[path], atomic=False)
+                except OSError as err:
+                    raise MPPCAInputError(f"cannot write the {outputs[path]} {path}: "
+                                          f"{err.strerror or err}") from None
+
+    if not args.quiet:
+        say(summary(result, data, mask, time.perf_counter() - started))
+    if args.timings:
+        say(f"{PROG}: timings: {phases.line()}")
+
+
+def _checked(args, parser):
+    """Every check before a voxel is read: the input's header, the mask, the options, the device, the
+    destinations (distinct, not an input, writable). Returns (image, mask, options, {output: label})."""
     # the input's header and the mask: shapes only, no voxel of the series is read yet
     image = io.open_series(args.input)
     shape = tuple(image.shape)
@@ -110,22 +145,7 @@ def run(args, parser) -> None:
             if source is not None and _same_file(path, source):
                 parser.error(f"the {what} {path} would overwrite the input {source}")
         io.check_writable(path, what)
-
-    with io.staged_files(outputs, what=outputs) as staged:
-        data = io.read_data(image, args.input)
-        with ProgressBar(PROG, quiet=args.quiet) as progress:
-            result = denoise(data, mask, **options, device=args.device, nprocs=args.nprocs,
-                             progress=progress)
-        maps = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
-        for path in outputs:
-            try:
-                io.save_like(maps[path], image, staged[path], atomic=False)
-            except OSError as err:
-                raise MPPCAInputError(f"cannot write the {outputs[path]} {path}: "
-                                      f"{err.strerror or err}") from None
-
-    if not args.quiet:
-        say(summary(result, data, mask, time.perf_counter() - started))
+    return image, mask, options, outputs
 
 
 def summary(result, data, mask, seconds: float) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -47,7 +48,8 @@ class DenoiseResult:
     rank : (X, Y, Z) float32 array
         The number of signal components kept (same aggregation as ``sigma``). 0 outside the mask.
     info : dict
-        How the run was done: resolved options, backend, device, patch counts, timings.
+        How the run was done: resolved options, backend, device, patch counts, and ``seconds``: the time of
+        each phase of the call (input check, plan, backend, output).
     """
 
     denoised: np.ndarray
@@ -150,6 +152,14 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     (docs/benchmarks.md, "Choosing the defaults"); dwidenoise's mode is
     ``extent="auto", stride=1, aggregation="center", demean="none"``.
     """
+    clock = [time.perf_counter()]
+    seconds = {}
+
+    def lap(phase):  # the seconds since the last lap, as the phase's
+        now = time.perf_counter()
+        seconds[phase] = round(now - clock[0], 4)
+        clock[0] = now
+
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
                               aggregation=aggregation, demean=demean)
@@ -164,7 +174,9 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     raw = data
     if n_nonfinite or not finite.all():
         data = np.where(finite[..., None], data, np.float32(0))
+    lap("input check")
     plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
+    lap("plan")
     t_eff = data.shape[3] - (options.demean == "voxel")
     if plan.patch_size < FEW_SAMPLES or t_eff < FEW_SAMPLES:
         warnings.warn(
@@ -186,12 +198,14 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         warnings.warn(out_of_memory.fallback_note, MPPCAWarning, stacklevel=2)
         sums = denoise_cpu(data, finite, plan, options, nprocs=nprocs, progress=progress)
         sums.info["cpu_fallback"] = out_of_memory.reason
+    lap("backend")
     result = _finish(raw, mask, finite, sums)
+    lap("output")
     result.info.update(sums.info)
     result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
                             aggregation=options.aggregation, demean=options.demean,
                             n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
-                            n_nonfinite_voxels=n_nonfinite))
+                            n_nonfinite_voxels=n_nonfinite, seconds=seconds))
     return result
 
 

@@ -1,0 +1,72 @@
+"""Where a command's time goes: the seconds of each named phase, in order, for ``--timings`` and the
+provenance.
+
+``Phases`` times blocks of a command (``with phases("read"): ...``) and takes the engine's own phases
+(``DenoiseResult.info["seconds"]``) as the parts of one; ``process_age`` says how long the process ran
+before the command's first line (the interpreter's start and the imports).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+import os
+import time
+
+
+class Phases:
+    """Seconds by phase, in the order they were first entered; a phase may hold its parts (``parts``)."""
+
+    def __init__(self):
+        self.seconds, self.parts = {}, {}
+        self.started = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, name):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - started)
+
+    def add(self, name, seconds, parts=None):
+        """``seconds`` more in phase ``name``; ``parts``: {part: seconds} within it (the engine's, say)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        if parts:
+            self.parts[name] = dict(parts)
+
+    def as_dict(self) -> dict:
+        """{phase: seconds} rounded to the ms, with a phase's parts as {phase: {"seconds", "parts"}}, and
+        the total since this object was made."""
+        timings = {}
+        for name, seconds in self.seconds.items():
+            if name in self.parts:
+                timings[name] = dict(seconds=round(seconds, 3),
+                                     parts={part: round(s, 3) for part, s in self.parts[name].items()})
+            else:
+                timings[name] = round(seconds, 3)
+        timings["total"] = round(time.perf_counter() - self.started + self.seconds.get("start-up", 0.0), 3)
+        return timings
+
+    def line(self) -> str:
+        """'start-up 1.82 s, read 0.69 s, denoise 2.31 s (plan 0.02, backend 2.10, ...), write 0.58 s; total
+        5.41 s'."""
+        shown = []
+        for name, seconds in self.seconds.items():
+            text = f"{name} {seconds:.2f} s"
+            if name in self.parts:
+                text += " (" + ", ".join(f"{part} {s:.2f}" for part, s in self.parts[name].items()) + ")"
+            shown.append(text)
+        return ", ".join(shown) + f"; total {self.as_dict()['total']:.2f} s"
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: its start in /proc/self/stat against the machine's
+    uptime), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as uptime:
+            up = float(uptime.read().split()[0])
+        return max(0.0, up - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, IndexError, ValueError):
+        return None
