@@ -213,7 +213,7 @@ class MPPCADenoise(SimpleInterface):
         with phases("denoise"):
             result, notes, placement = denoise_on_device(data, mask, parameters, use_gpu=self.inputs.use_gpu,
                                                          nprocs=nprocs)
-        phases.add("denoise", 0.0, parts=result.info["seconds"])
+        phases.parts_of("denoise", result.info["seconds"])
         for note in notes:
             LOGGER.warning("MPPCADenoise %s: %s", Path(self.inputs.in_file).name, note)
 

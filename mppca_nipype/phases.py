@@ -2,8 +2,9 @@
 provenance.
 
 ``Phases`` times blocks of a command (``with phases("read"): ...``) and takes the engine's own phases
-(``DenoiseResult.info["seconds"]``) as the parts of one; ``process_age`` says how long the process ran
-before the command's first line (the interpreter's start and the imports).
+(``DenoiseResult.info["seconds"]``) as the parts of one (``parts_of``); ``process_age`` says how long the
+process ran before the command's first line (the interpreter's start and the imports), which a command
+gives as ``Phases(start_up=...)``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import time
 
 
 class Phases:
-    """Seconds by phase, in the order they were first entered; a phase may hold its parts (``parts``)."""
+    """Seconds by phase, in the order they were first entered; a phase may hold its parts (``parts_of``).
+    ``start_up``: the seconds before this object was made, the first phase (None: not known, not shown)."""
 
-    def __init__(self):
+    def __init__(self, start_up=None):
         self.seconds, self.parts = {}, {}
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() - (start_up or 0.0)
+        if start_up is not None:
+            self.seconds["start-up"] = start_up
 
     @contextmanager
     def __call__(self, name):
@@ -28,15 +32,17 @@ class Phases:
         finally:
             self.add(name, time.perf_counter() - started)
 
-    def add(self, name, seconds, parts=None):
-        """``seconds`` more in phase ``name``; ``parts``: {part: seconds} within it (the engine's, say)."""
+    def add(self, name, seconds):
+        """``seconds`` more in phase ``name``."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        if parts:
-            self.parts[name] = dict(parts)
+
+    def parts_of(self, name, parts):
+        """{part: seconds} within phase ``name`` (the engine's, say)."""
+        self.parts[name] = dict(parts)
 
     def as_dict(self) -> dict:
         """{phase: seconds} rounded to the ms, with a phase's parts as {phase: {"seconds", "parts"}}, and
-        the total since this object was made."""
+        the total since the start (start-up included)."""
         timings = {}
         for name, seconds in self.seconds.items():
             if name in self.parts:
@@ -44,7 +50,7 @@ class Phases:
                                      parts={part: round(s, 3) for part, s in self.parts[name].items()})
             else:
                 timings[name] = round(seconds, 3)
-        timings["total"] = round(time.perf_counter() - self.started + self.seconds.get("start-up", 0.0), 3)
+        timings["total"] = round(time.perf_counter() - self.started, 3)
         return timings
 
     def line(self) -> str:

@@ -88,10 +88,7 @@ def main(argv=None):
 def run(args, parser) -> None:
     """Check everything, denoise, write the outputs together, print the summary (and the timings)."""
     started = time.perf_counter()
-    phases = Phases()
-    start_up = process_age()
-    if start_up is not None:
-        phases.add("start-up", start_up)
+    phases = Phases(start_up=process_age())
     with phases("checks"):
         image, mask, options, outputs = _checked(args, parser)
 
@@ -100,7 +97,7 @@ def run(args, parser) -> None:
             data = io.read_data(image, args.input)
         with phases("denoise"), ProgressBar(PROG, quiet=args.quiet) as progress:
             result = denoise(data, mask, **options, device=args.device, nprocs=args.nprocs, progress=progress)
-        phases.add("denoise", 0.0, parts=result.info["seconds"])
+        phases.parts_of("denoise", result.info["seconds"])
         maps = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
         with phases("write"):
             for path in outputs:

@@ -152,13 +152,12 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     (docs/benchmarks.md, "Choosing the defaults"); dwidenoise's mode is
     ``extent="auto", stride=1, aggregation="center", demean="none"``.
     """
-    clock = [time.perf_counter()]
-    seconds = {}
+    seconds, last = {}, time.perf_counter()
 
     def lap(phase):  # the seconds since the last lap, as the phase's
+        nonlocal last
         now = time.perf_counter()
-        seconds[phase] = round(now - clock[0], 4)
-        clock[0] = now
+        seconds[phase], last = round(now - last, 4), now
 
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
