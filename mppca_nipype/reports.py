@@ -115,6 +115,7 @@ def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULT
     """
     from .engine import check_data, resolve_options
     from .engine.cpu import fit_windows
+    from .engine.layout import voxel_rows
     from .engine.patches import plan_patches
 
     data, mask = check_data(data, mask)
@@ -127,7 +128,8 @@ def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULT
     rng = np.random.default_rng(seed)
     chosen = np.sort(rng.choice(plan.n_windows, size=min(n_sampled, plan.n_windows), replace=False))
     sampled = replace(plan, window_corner=plan.window_corner[chosen], multiplicity=plan.multiplicity[chosen])
-    volume = np.where(finite[..., None], data, 0).reshape(-1, data.shape[3])
+    # the sampled patches' rows gathered from the series in its own order (a volume-major one: no transpose)
+    volume = voxel_rows(data if finite.all() else np.where(finite[..., None], data, np.float32(0)))
     with threadpool_limits(limits=1):  # a multithreaded BLAS on a few small matrices is 100x slower
         fit = fit_windows(volume, finite.ravel(), sampled, options, slice(None))
         patches = fit.patches

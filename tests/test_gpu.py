@@ -339,10 +339,12 @@ def test_dwidenoise_mode_in_float32_with_the_mean_taken_apart_matches_cpu():
     assert gpu.info["n_settled_in_float64"] <= 0.1 * plan.n_windows
 
 
+@pytest.mark.parametrize("order", ["C", "F"])
 @pytest.mark.parametrize("threads, rounds", [(5, 3), (1, 1), (16, 4)])
-def test_staged_uploads_copy_the_rows(monkeypatch, threads, rounds):
+def test_staged_uploads_copy_the_rows(monkeypatch, threads, rounds, order):
     """Row ranges (overlapping, on two streams) arrive intact through the staging rounds, whatever the number
-    of threads and rounds (parts of a row, empty parts); each round's copy is queued once, and the rows
+    of threads and rounds (parts of a row, empty parts) and the series' order (a volume-major one reordered
+    into rows by the staging, in rounds of whole x-planes); each round's copy is queued once, and the rows
     there after each round only grow."""
     import torch
 
@@ -350,18 +352,57 @@ def test_staged_uploads_copy_the_rows(monkeypatch, threads, rounds):
 
     monkeypatch.setattr(upload, "STAGE_THREADS", threads)
     monkeypatch.setattr(upload, "STAGE_ROUNDS", rounds)
-    series = np.random.default_rng(6).standard_normal((20011, 47)).astype(np.float32)
+    series = np.asarray(np.random.default_rng(6).standard_normal((29, 23, 30, 47)), np.float32, order=order)
+    rows = np.ascontiguousarray(series).reshape(-1, 47)
+    plane = 23 * 30
+    # rows of whole x-planes for a volume-major series (as the engine's slabs are); any rows else
+    first_rows, second_rows = ((slice(0, 12000), slice(19999, 20010)) if order == "C"
+                               else (slice(0, 17 * plane), slice(27 * plane, 29 * plane)))
     uploads = upload.StagedSeries(series)
     stream = torch.cuda.current_stream()
-    arriving = uploads.upload(slice(0, 12000), torch.device("cuda"), stream)
+    arriving = uploads.upload(first_rows, torch.device("cuda"), stream)
     arrived = list(arriving.arrivals(stream))  # whole rows there after each round
     first = arriving.wait(stream)
-    second = uploads.upload(slice(19999, 20011), torch.device("cuda"), torch.cuda.Stream()).wait(stream)
+    second = uploads.upload(second_rows, torch.device("cuda"), torch.cuda.Stream()).wait(stream)
     torch.cuda.synchronize()
-    assert len(arrived) == rounds and arrived[-1] == 12000 and arrived == sorted(arrived)
-    np.testing.assert_array_equal(first.cpu().numpy(), series[:12000])
-    np.testing.assert_array_equal(second.cpu().numpy(), series[19999:])
+    assert len(arrived) == rounds and arrived[-1] == first_rows.stop and arrived == sorted(arrived)
+    if order == "F":
+        assert all(stop % plane == 0 for stop in arrived)
+    np.testing.assert_array_equal(first.cpu().numpy(), rows[first_rows])
+    np.testing.assert_array_equal(second.cpu().numpy(), rows[second_rows])
     assert sorted(uploads.queued_at) == list(range(rounds))
+
+
+@pytest.mark.parametrize("planes", [None, 7])
+def test_a_volume_major_series_gives_the_same_result_in_its_own_order(planes):
+    """A series as nibabel reads a file (Fortran order) is denoised without a transpose, whole or in slabs,
+    into the values of its C-order copy (to the rounding of the float64 settling pass's atomic additions,
+    whose order may differ from run to run), and comes back in its own order."""
+    from mppca_nipype.engine import check_data, plan_patches, resolve_options, _finish
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, *_ = dwi_phantom((31, 26, 22), n_volumes=30, sigma=20.0, seed=17)
+    outputs = []
+    for order in ("C", "F"):
+        data, mask = check_data(np.asarray(noisy, np.float32, order=order), None)
+        options = resolve_options(data.shape, extent="wide", stride=3, estimator="exp2",
+                                  aggregation="weighted", demean="volume")
+        finite = np.ones(data.shape[:3], bool)
+        plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
+        sums = denoise_gpu(data, finite, plan, options, planes=planes)
+        outputs.append(_finish(data, mask, finite, sums))
+    assert outputs[1].denoised.flags.f_contiguous and not outputs[0].denoised.flags.f_contiguous
+    assert relative_rms(outputs[1].denoised, outputs[0].denoised) <= 1e-6
+    assert relative_rms(outputs[1].sigma, outputs[0].sigma) <= 1e-6
+    if planes is None:  # and through the public call
+        public = denoise(np.asfortranarray(noisy), device="cuda")
+        assert public.denoised.flags.f_contiguous
+        assert relative_rms(public.denoised, outputs[0].denoised) <= 1e-6
+
+
+def relative_rms(values, reference) -> float:
+    reference = np.asarray(reference, np.float64)
+    return float(np.sqrt(np.mean((np.asarray(values, np.float64) - reference) ** 2) / np.mean(reference**2)))
 
 
 def seed_like(seed, shape=(40, 36, 26)):

@@ -153,9 +153,9 @@ def summary(result, data, mask, seconds: float) -> str:
         where += f" on {info['device']}"
     if info.get("backend") == "cpu" and "nprocs" in info:
         where += f", {info['nprocs']} process{'es' if info['nprocs'] != 1 else ''}"
-    denoised = np.isfinite(data).all(axis=3)
-    if mask is not None:
-        denoised &= mask
+    denoised = np.ones(data.shape[:3], bool) if mask is None else mask.copy()
+    if info.get("n_nonfinite_voxels"):  # (else every voxel in the mask was: no pass over the series)
+        denoised &= np.isfinite(data).all(axis=3)
     count = int(np.count_nonzero(denoised))
     if count:
         medians = (f"median noise {np.median(result.sigma[denoised]):.4g}, "

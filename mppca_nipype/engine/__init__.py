@@ -19,6 +19,7 @@ import numpy as np
 from .backend import DenoiseOptions, PatchSums, available_cpus
 from .errors import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, is_out_of_memory
 from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
+from .layout import as_float32, empty_like_series, is_volume_major, planes_of_rows
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
 __all__ = ["denoise", "DenoiseResult", "DenoiseOptions", "MPPCAInputError", "MPPCAWarning",
@@ -41,7 +42,8 @@ class DenoiseResult:
     Attributes
     ----------
     denoised : (X, Y, Z, T) float32 array
-        The denoised series. Outside the mask: 0. Voxels holding NaN/Inf: as they were.
+        The denoised series, in the input's memory order. Outside the mask: 0. Voxels holding NaN/Inf: as
+        they were.
     sigma : (X, Y, Z) float32 array
         The noise level (standard deviation) estimated by MP-PCA: the patch's own value (``center``) or
         the weighted mean of the patches covering the voxel. 0 outside the mask.
@@ -81,7 +83,8 @@ def resolve_options(shape, *, extent, stride, estimator, aggregation, demean) ->
 
 
 def check_data(data, mask):
-    """Validate the array and mask; return (data as float32, mask as bool)."""
+    """Validate the array and mask; return (data as float32, in its own order where it is contiguous:
+    ``layout``; mask as bool)."""
     data = np.asarray(data)
     if data.ndim != 4:
         raise MPPCAInputError(f"the input must be a 4D series (X, Y, Z, T), not {data.ndim}D {data.shape}")
@@ -100,7 +103,7 @@ def check_data(data, mask):
             raise MPPCAInputError(
                 f"the mask's shape {mask.shape} does not match the image's {data.shape[:3]}")
         mask = mask != 0
-    return np.ascontiguousarray(data, dtype=np.float32), mask
+    return as_float32(data), mask
 
 
 def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
@@ -116,7 +119,9 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     Parameters
     ----------
     data : (X, Y, Z, T) array
-        The series (any real dtype; computed in float32 on the GPU, float64 on the CPU).
+        The series (any real dtype; computed in float32 on the GPU, float64 on the CPU). In either memory
+        order: a volume-major (Fortran-order) series, as nibabel reads a NIfTI file, is not transposed, and
+        ``denoised`` comes back in the same order (``layout``).
     mask : (X, Y, Z) array, optional
         Voxels to denoise (non-zero). Patches may still read voxels outside it; outputs there are 0.
     extent : "wide", "auto", int or three ints
@@ -172,7 +177,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
                       "as they were", MPPCAWarning, stacklevel=2)
     raw = data
     if n_nonfinite or not finite.all():
-        data = np.where(finite[..., None], data, np.float32(0))
+        data = data.copy(order="K")
+        data[~finite] = 0
     lap("input check")
     plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
     lap("plan")
@@ -249,7 +255,8 @@ def _finite_voxels(data) -> np.ndarray:
     large values down the exact path (on 96x96x48x48: 7.8 ms in one dot, against 12.4 for
     ``isfinite(...).all()``); voxel by voxel only when something is not finite.
     """
-    squares_finite = data.flags.c_contiguous and _squares_finite(data.reshape(-1))
+    contiguous = data.flags.c_contiguous or data.flags.f_contiguous
+    squares_finite = contiguous and _squares_finite(data.reshape(-1, order="A"))
     if squares_finite or np.isfinite(data).all():
         return np.ones(data.shape[:3], dtype=bool)
     return np.isfinite(data).all(axis=3)
@@ -287,18 +294,23 @@ def _backend(device: str):
 def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
     """Divide the sums by the weights; put back what was not denoised.
 
-    ``data`` is the caller's series (with its NaN/Inf): voxels in the mask that held them keep them.
+    ``data`` is the caller's series (with its NaN/Inf): voxels in the mask that held them keep them. The
+    denoised series comes in ``data``'s order (``layout``): a volume-major series is written volume after
+    volume as the sums are divided, not transposed after.
     """
     shape3 = data.shape[:3]
     served = (sums.weight > 0).reshape(shape3) & mask & finite
     if sums.normalized:
-        denoised = np.asarray(sums.image, dtype=np.float32).reshape(data.shape)
+        image = np.asarray(sums.image, dtype=np.float32)
+        if is_volume_major(data):
+            denoised = planes_of_rows(image, empty_like_series(data))
+        else:
+            denoised = image.reshape(data.shape)
         sigma, rank = sums.sigma.reshape(shape3), sums.rank.reshape(shape3)
     else:
         weight = np.where(served.ravel(), sums.weight, 1.0)
         # divided in the sums' precision and rounded once to float32, with no (V, T) temporary
-        denoised = np.empty(data.shape, dtype=np.float32)
-        np.divide(sums.image, weight[:, None], out=denoised.reshape(sums.image.shape), casting="unsafe")
+        denoised = planes_of_rows(sums.image, empty_like_series(data), divisor=weight)
         sigma, rank = (sums.sigma / weight).reshape(shape3), (sums.rank / weight).reshape(shape3)
     denoised[~served] = 0
     keep_input = mask & ~finite

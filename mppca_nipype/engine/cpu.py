@@ -7,7 +7,8 @@ order, so the result does not depend on how many processes ran the units: it is 
 ``nprocs``.
 
 Workers share the input volume through ``multiprocessing.shared_memory`` (one copy, whatever their
-number) and each limits its BLAS to one thread: on matrices of 48 x 48, one thread per process is faster
+number, in the (V, T) rows they gather patches from: a volume-major series is reordered into it in blocks,
+``layout``) and each limits its BLAS to one thread: on matrices of 48 x 48, one thread per process is faster
 than a multithreaded BLAS fighting over the same cores.
 """
 
@@ -28,6 +29,7 @@ from threadpoolctl import threadpool_limits
 
 from .backend import PatchSums, available_cpus
 from .estimators import aggregation_weights, marchenko_pastur_threshold, signal_projector
+from .layout import is_volume_major, rows_of_planes
 
 #: Memory one batch may use for its patch matrices (float64), per process.
 BATCH_BYTES = 48 * 2**20
@@ -261,10 +263,24 @@ def _run_unit_in_worker(unit):
     return run_unit(w["volume"], w["finite"], w["plan"], w["options"], unit, w["eigh"])
 
 
+def _shared_memory(nbytes):
+    return shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+
+
 def _shared_copy(array):
-    shm = shared_memory.SharedMemory(create=True, size=max(array.nbytes, 1))
+    shm = _shared_memory(array.nbytes)
     np.ndarray(array.shape, dtype=array.dtype, buffer=shm.buf)[...] = array
     return shm
+
+
+def _voxel_major(data, allocate):
+    """The series as (V, T) rows, the order the workers gather patches from: ``data``'s own rows where it is
+    voxel-major and ``allocate`` is ``np.empty`` (no copy), else copied into ``allocate(shape, dtype)`` (from a
+    volume-major series in blocks, ``layout.rows_of_planes``: never a whole-array transpose)."""
+    shape = (int(np.prod(data.shape[:3])), data.shape[3])
+    if allocate is np.empty and not is_volume_major(data):
+        return data.reshape(shape)
+    return rows_of_planes(data, slice(None), allocate(shape, np.float32))
 
 
 def _process_context():
@@ -283,7 +299,6 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     started = time.perf_counter()
     n_voxels = int(np.prod(data.shape[:3]))
     n_volumes = data.shape[3]
-    volume = data.reshape(n_voxels, n_volumes)
     finite_flat = finite.reshape(n_voxels)
     units = work_units(plan)
     nprocs = min(nprocs or available_cpus(), max(len(units), 1))
@@ -311,6 +326,7 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
             rank[start:stop] += slab_rank
 
     if nprocs == 1:
+        volume = _voxel_major(data, np.empty)
         undo = _one_thread(eigh)
         try:
             for done, unit in enumerate(units, 1):
@@ -320,10 +336,12 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
         finally:
             undo()
     else:
-        volume_shm, finite_shm = _shared_copy(volume), _shared_copy(finite_flat)
+        volume_shm, finite_shm = None, _shared_copy(finite_flat)
         try:
+            volume_shm = _shared_memory(n_voxels * n_volumes * 4)
+            _voxel_major(data, lambda shape, dtype: np.ndarray(shape, dtype, buffer=volume_shm.buf))
             with ProcessPoolExecutor(nprocs, mp_context=_process_context(), initializer=_attach,
-                                     initargs=(volume_shm.name, volume.shape, finite_shm.name,
+                                     initargs=(volume_shm.name, (n_voxels, n_volumes), finite_shm.name,
                                                plan, options, eigh)) as pool:
                 for done, result in enumerate(pool.map(_run_unit_in_worker, units), 1):
                     add(result)
@@ -331,8 +349,9 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
                         progress(done, len(units))
         finally:
             for shm in (volume_shm, finite_shm):
-                shm.close()
-                shm.unlink()
+                if shm is not None:
+                    shm.close()
+                    shm.unlink()
 
     return PatchSums(image, weight, sigma, rank,
                      info=dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver=f"{eigh} LAPACK",

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..backend import PatchSums
+from ..layout import rows_of_planes
 from . import boxsums, graphs
 from .batch import SlabWindows
 from .plan import GPURun, GPUSettings, box_fits, plan_slabs, run_in_batches, slab_planes
@@ -86,13 +87,13 @@ class _GPURunOfSlabs:
         if self.on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
         self.n_volumes = data.shape[3]
-        self.host_volume = np.ascontiguousarray(data.reshape(-1, self.n_volumes), dtype=np.float32)
+        self.n_rows = int(np.prod(data.shape[:3]))
         self.slabs = plan_slabs(plan, settings.planes or slab_planes(device, plan, self.n_volumes))
         self.kept_graphs = kept_graphs if len(self.slabs) == 1 else None  # (graphs serve a series that fits whole)
         self.plane = plan.spatial_shape[1] * plan.spatial_shape[2]
         # the series' copies on a stream of their own: the run's set-up work queued meanwhile does not wait for them
         self.copies = torch.cuda.Stream(device) if self.on_gpu else None
-        self.series = StagedSeries(self.host_volume) if self.on_gpu else None
+        self.series = StagedSeries(data) if self.on_gpu else None
         self.every_voxel_finite = bool(finite.all())
         self.host_finite = (None if self.every_voxel_finite
                             else np.ascontiguousarray(finite.reshape(-1), dtype=np.float32))
@@ -107,7 +108,7 @@ class _GPURunOfSlabs:
         run = GPURun(self.plan, self.options, self.device, self.settings, self.n_volumes)
         timeline.mark("plan's tables")
         outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=self.on_gpu)
-                   for shape in ((len(self.host_volume), self.n_volumes),) + ((len(self.host_volume),),) * 3]
+                   for shape in ((self.n_rows, self.n_volumes),) + ((self.n_rows,),) * 3]
         downloads = torch.cuda.Stream(self.device) if self.on_gpu else None
         timeline.mark("set up")
         carried, done_windows = None, 0
@@ -146,7 +147,8 @@ class _GPURunOfSlabs:
         """Start the slab's series on its way to the device (on the copy stream)."""
         rows = slice(slab.first * self.plane, slab.stop * self.plane)
         if not self.on_gpu:
-            return to_device(self.host_volume[rows], self.device)
+            slab_rows = np.empty((rows.stop - rows.start, self.n_volumes), dtype=np.float32)
+            return to_device(rows_of_planes(self.data, slice(slab.first, slab.stop), slab_rows), self.device)
         into = (self.kept_graphs.volume_for((rows.stop - rows.start, self.n_volumes), self.device)
                 if self.kept_graphs is not None else None)
         with torch.cuda.stream(self.copies):

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..estimators import aggregation_weights
+from ..layout import voxel_rows
 from .batch import Chosen
 from .gram import fused_fits
 from .plan import run_in_batches
@@ -276,7 +277,7 @@ def cpu_contributions(data, finite, plan, options, windows):
     from ..cpu import fit_windows
 
     n_volumes = data.shape[3]
-    fit = fit_windows(data.reshape(-1, n_volumes), finite.reshape(-1), plan, options, windows)
+    fit = fit_windows(voxel_rows(data), finite.reshape(-1), plan, options, windows)
     restored = fit.reconstruct()
     if options.aggregation == "center":
         centres = np.flatnonzero(np.isin(plan.centre_window, windows))

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..backend import available_cpus
+from ..layout import is_volume_major, rows_of_planes
 
 
 #: Threads that copy the caller's series into page-locked staging memory (``StagedSeries``): at most this
@@ -156,17 +157,23 @@ def round_bounds(n_elements) -> np.ndarray:
 
 
 class StagedSeries:
-    """The caller's contiguous (V, T) float32 series, uploaded by row ranges (``upload``) through page-locked
-    staging memory (torch's caching host allocator: reused from call to call). The rows go up in
-    ``STAGE_ROUNDS`` consecutive rounds: in each, ``stage_threads()`` threads copy a part of the round with
-    NumPy (no CUDA call, so nothing the driver serialises; one GIL hand-over per thread and round), and the
-    uploader thread queues the round's copy to the device as soon as its parts are staged, while the next
-    round is copied. Nothing of the caller's memory is locked, so nothing is left to undo; the staging memory
-    goes back to torch's cache of page-locked memory once its copies are done, and stays there for the next
-    run (as much as the largest slab's series, rounded up to a power of two)."""
+    """The caller's contiguous (X, Y, Z, T) float32 series, uploaded by ranges of whole x-planes' rows
+    (``upload``) through page-locked staging memory (torch's caching host allocator: reused from call to
+    call), as (rows, T) on the device. The rows go up in ``STAGE_ROUNDS`` consecutive rounds: in each,
+    ``stage_threads()`` threads copy a part of the round with NumPy (no CUDA call, so nothing the driver
+    serialises; one GIL hand-over per thread and round), and the uploader thread queues the round's copy to
+    the device as soon as its parts are staged, while the next round is copied. A volume-major series (as
+    nibabel reads a file) is reordered into rows by this staging copy (``layout.rows_of_planes``, in blocks;
+    its rounds are whole x-planes and each thread copies some z-planes of them): no other copy of it is made.
+    Nothing of the caller's memory is locked, so nothing is left to undo; the staging memory goes back to
+    torch's cache of page-locked memory once its copies are done, and stays there for the next run (as much
+    as the largest slab's series, rounded up to a power of two)."""
 
     def __init__(self, series: np.ndarray):
-        self.flat, self.n_volumes = series.reshape(-1), series.shape[1]
+        self.series, self.n_volumes = series, series.shape[3]
+        self.plane = series.shape[1] * series.shape[2]
+        self.volume_major = is_volume_major(series)
+        self.flat = None if self.volume_major else series.reshape(-1)
         self.queued_at = {}  # round -> perf_counter() when its copy was queued (for a run's timeline)
         self.staged_at = {}  # round -> when the uploader thread found it staged
         self.started_at = None  # when the first copying thread started
@@ -181,19 +188,34 @@ class StagedSeries:
         tensor.record_stream(stream)  # written there: its memory is not reused before the copies are done
         first, stop = rows.start * self.n_volumes, rows.stop * self.n_volumes
         staging = torch.empty(stop - first, dtype=torch.float32, pin_memory=True)
-        staged, source, flat_out = staging.numpy(), self.flat[first:stop], tensor.reshape(-1)
+        staged, flat_out = staging.numpy(), tensor.reshape(-1)
         threads = stage_threads()
-        rounds = round_bounds(stop - first)
+        if self.volume_major:  # rounds of whole x-planes, each thread some z-planes of each
+            first_plane = rows.start // self.plane
+            plane_bounds = np.unique(round_bounds(rows.stop // self.plane - first_plane))
+            rounds = plane_bounds * self.plane * self.n_volumes
+            z_bounds = np.linspace(0, self.series.shape[2], threads + 1).astype(int)
+        else:
+            rounds = round_bounds(stop - first)
         staged_rounds = [_Countdown(threads) for _ in rounds[1:]]
+
+        def copy_part(thread, a, b):
+            if self.volume_major:
+                planes = slice(first_plane + (a // (self.plane * self.n_volumes)),
+                               first_plane + (b // (self.plane * self.n_volumes)))
+                rows_of_planes(self.series, planes, staged[a:b],
+                               z_planes=slice(z_bounds[thread], z_bounds[thread + 1]))
+            else:
+                low, high = a + (b - a) * thread // threads, a + (b - a) * (thread + 1) // threads
+                np.copyto(staged[low:high], self.flat[first + low:first + high])
 
         def copy_parts(thread):
             """(On a copying thread) this thread's part of every round, in order."""
             if self.started_at is None:
                 self.started_at = time.perf_counter()
             for number, (a, b) in enumerate(zip(rounds[:-1], rounds[1:])):
-                low, high = a + (b - a) * thread // threads, a + (b - a) * (thread + 1) // threads
                 try:
-                    np.copyto(staged[low:high], source[low:high])
+                    copy_part(thread, a, b)
                 except BaseException as error:  # noqa: BLE001 - handed to the waiting uploader thread
                     staged_rounds[number].failed(error)
                     return
