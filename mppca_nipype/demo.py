@@ -1,6 +1,7 @@
-"""A small BIDS dataset generated on the spot (no download): one subject with a DWI run and a BOLD run.
+"""A BIDS dataset generated on the spot (no download): subjects each with a DWI run and a BOLD run.
 
-``write_demo_dataset`` is what ``mppca-nipype --demo OUTPUT_DIR`` denoises; ``write_series`` and
+``write_demo_dataset`` at its default sizes (one small subject) is what ``mppca-nipype --demo OUTPUT_DIR``
+denoises; benchmarks ask it for more and larger subjects. ``write_series`` and
 ``write_raw_description`` are shared with the tests that build larger layouts. The series come from
 :mod:`mppca_nipype.phantoms`, so their noise level is known (``DWI_SIGMA``, ``BOLD_SIGMA``).
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from .io import write_json_atomic
+from .io import write_json_atomic, write_nifti
 from .phantoms import dwi_phantom, low_rank_phantom
 
 DWI_SIGMA = 20.0
@@ -22,7 +23,8 @@ REPETITION_TIME = 2.0
 
 
 def write_series(path, data, repetition_time=None, voxel_mm=VOXEL_MM):
-    """Save a 4D float32 series with millimetre/second units (and the TR in the header for BOLD)."""
+    """Save a 4D float32 series with millimetre/second units (and the TR in the header for BOLD); a .nii.gz
+    is compressed as the package's outputs are (``io.write_nifti``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     affine = np.diag([voxel_mm, voxel_mm, voxel_mm, 1.0])
@@ -30,7 +32,7 @@ def write_series(path, data, repetition_time=None, voxel_mm=VOXEL_MM):
     image = nib.Nifti1Image(np.asarray(data, np.float32), affine)
     image.header.set_zooms((voxel_mm,) * 3 + (repetition_time or 1.0,))
     image.header.set_xyzt_units("mm", "sec")
-    nib.save(image, str(path))
+    write_nifti(image, path)
     return path
 
 
@@ -52,21 +54,42 @@ def write_raw_description(root, name, subjects):
     write_json_atomic(root / "participants.json", {"participant_id": {"Description": "Synthetic subject"}})
 
 
-def write_demo_dataset(root, shape=(24, 24, 16), n_dwi=30, n_bold=40, seed=0):
-    """Write the demo dataset into ``root`` (created; about 3 MB) and return its path.
+def write_demo_dataset(root, dwi_shape=(24, 24, 16), n_dwi=30, bold_shape=(24, 24, 16), n_bold=40, subjects=1,
+                       seed=0):
+    """Write the demo dataset into ``root`` (created; about 3 MB at the default sizes) and return its path.
 
-    ``sub-01/dwi/sub-01_dwi.nii.gz`` (+ .bval, .bvec, .json): a head-shaped DWI phantom, b = 0 and 1000;
-    ``sub-01/func/sub-01_task-rest_bold.nii.gz`` (+ .json): a rank-5 phantom standing in for a BOLD run.
+    ``subjects`` subjects labelled 01, 02, ..., each written by ``write_demo_subject`` with its own seed:
+    a DWI run of ``dwi_shape`` voxels and ``n_dwi`` volumes and a BOLD run of ``bold_shape`` and ``n_bold``.
     """
     root = Path(root)
-    write_raw_description(root, "mppca-nipype demo", ["01"])
-    noisy, _, bvals, bvecs = dwi_phantom(shape, n_dwi, sigma=DWI_SIGMA, seed=seed)
-    dwi = root / "sub-01" / "dwi" / "sub-01_dwi"
+    labels = demo_subject_labels(subjects)
+    write_raw_description(root, "mppca-nipype demo", labels)
+    for number, label in enumerate(labels):
+        write_demo_subject(root, label, dwi_shape, n_dwi, bold_shape, n_bold, seed=seed + 2 * number)
+    return root
+
+
+def demo_subject_labels(subjects: int) -> list[str]:
+    """['01', '02', ...]: the labels of ``subjects`` demo subjects."""
+    width = max(2, len(str(subjects)))
+    return [f"{number:0{width}d}" for number in range(1, subjects + 1)]
+
+
+def write_demo_subject(root, label, dwi_shape, n_dwi, bold_shape, n_bold, seed=0):
+    """One subject of the demo dataset (the dataset's top-level files are ``write_raw_description``'s).
+
+    ``sub-<label>/dwi/sub-<label>_dwi.nii.gz`` (+ .bval, .bvec, .json): a head-shaped DWI phantom, b = 0 and
+    1000; ``sub-<label>/func/sub-<label>_task-rest_bold.nii.gz`` (+ .json): a rank-5 phantom standing in for
+    a BOLD run. The two series use seeds ``seed`` and ``seed + 1``.
+    """
+    subject = Path(root) / f"sub-{label}"
+    noisy, _, bvals, bvecs = dwi_phantom(tuple(dwi_shape), n_dwi, sigma=DWI_SIGMA, seed=seed)
+    dwi = subject / "dwi" / f"sub-{label}_dwi"
     write_series(f"{dwi}.nii.gz", noisy)
     write_gradients(dwi, bvals, bvecs)
     write_json_atomic(f"{dwi}.json", {"PhaseEncodingDirection": "j-", "TotalReadoutTime": 0.05, "EchoTime": 0.08})
-    bold, _ = low_rank_phantom(shape, n_bold, rank=5, sigma=BOLD_SIGMA, seed=seed + 1)
-    func = root / "sub-01" / "func" / "sub-01_task-rest_bold"
+    del noisy
+    bold, _ = low_rank_phantom(tuple(bold_shape), n_bold, rank=5, sigma=BOLD_SIGMA, seed=seed + 1)
+    func = subject / "func" / f"sub-{label}_task-rest_bold"
     write_series(f"{func}.nii.gz", bold, repetition_time=REPETITION_TIME)
     write_json_atomic(f"{func}.json", {"TaskName": "rest", "RepetitionTime": REPETITION_TIME, "EchoTime": 0.03})
-    return root

@@ -370,6 +370,19 @@ def test_demo_writes_a_dataset_and_valid_derivatives(tmp_path, capsys):
     assert validator_errors(derivatives) == []
 
 
+def test_the_demo_generator_writes_as_many_subjects_of_the_sizes_asked_for(tmp_path):
+    from mppca_nipype.demo import write_demo_dataset
+
+    root = write_demo_dataset(tmp_path / "bids", dwi_shape=(9, 8, 7), n_dwi=12, bold_shape=(6, 7, 5), n_bold=15,
+                              subjects=3)
+    assert (root / "participants.tsv").read_text().split() == ["participant_id", "sub-01", "sub-02", "sub-03"]
+    dwi = [nib.load(root / f"sub-{s}" / "dwi" / f"sub-{s}_dwi.nii.gz").get_fdata() for s in ("01", "03")]
+    bold = nib.load(root / "sub-02" / "func" / "sub-02_task-rest_bold.nii.gz")
+    assert dwi[0].shape == (9, 8, 7, 12) and bold.shape == (6, 7, 5, 15)
+    assert len((root / "sub-03" / "dwi" / "sub-03_dwi.bval").read_text().split()) == 12
+    assert not np.allclose(dwi[0], dwi[1]), "each subject has its own noise"
+
+
 def test_version(capsys):
     status, out, _ = run_app(capsys, "--version")
     assert status == 0 and out.strip() == f"mppca-nipype {__version__}"
