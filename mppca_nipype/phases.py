@@ -4,13 +4,15 @@ provenance.
 ``Phases`` times blocks of a command (``with phases("read"): ...``) and takes the engine's own phases
 (``DenoiseResult.info["seconds"]``) as the parts of one (``parts_of``); ``process_age`` says how long the
 process ran before the command's first line (the interpreter's start and the imports), which a command
-gives as ``Phases(start_up=...)``.
+gives as ``Phases(start_up=...)``. ``parse_line`` reads ``Phases.line()`` back (what a benchmark timing the
+command from outside does with its ``--timings`` line).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 import os
+import re
 import time
 
 
@@ -63,6 +65,38 @@ class Phases:
                 text += " (" + ", ".join(f"{part} {s:.2f}" for part, s in self.parts[name].items()) + ")"
             shown.append(text)
         return ", ".join(shown) + f"; total {self.as_dict()['total']:.2f} s"
+
+
+#: One phase of ``Phases.line()``: "read 0.69 s" or "denoise 2.31 s (plan 0.02, backend 2.10)".
+_PHASE = re.compile(r"(?P<name>[^,;() ][^,;()]*?) (?P<seconds>\d+(?:\.\d+)?) s(?: \((?P<parts>[^()]*)\))?")
+
+
+def parse_line(text: str) -> dict:
+    """``Phases.line()`` read back, as ``Phases.as_dict()`` gives it (to the line's precision): {phase:
+    seconds, or {"seconds", "parts": {part: seconds}}, ..., "total": seconds}. ``text`` may carry a prefix
+    ending in ': ' ("mppca-denoise: timings: start-up 1.82 s, ..."). Raises ValueError on anything else."""
+    body = text.strip().rsplit(": ", 1)[-1]
+    phases_text, separator, total = body.rpartition("; total ")
+    if not separator or not total.endswith(" s"):
+        raise ValueError(f"not a timings line: {text!r}")
+    timings, position = {}, 0
+    for match in _PHASE.finditer(phases_text):
+        if phases_text[position:match.start()] not in ("", ", "):
+            raise ValueError(f"not a timings line: {text!r}")
+        seconds = float(match["seconds"])
+        if match["parts"] is None:
+            timings[match["name"]] = seconds
+        else:
+            parts = {}
+            for part in match["parts"].split(", "):
+                name, _, value = part.rpartition(" ")
+                parts[name] = float(value)
+            timings[match["name"]] = dict(seconds=seconds, parts=parts)
+        position = match.end()
+    if position != len(phases_text):
+        raise ValueError(f"not a timings line: {text!r}")
+    timings["total"] = float(total[:-2])
+    return timings
 
 
 def process_age() -> float | None:
