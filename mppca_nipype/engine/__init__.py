@@ -302,7 +302,9 @@ def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
     served = (sums.weight > 0).reshape(shape3) & mask & finite
     if sums.normalized:
         image = np.asarray(sums.image, dtype=np.float32)
-        if is_volume_major(data):
+        if image.ndim == 4:  # (the backend gave the series in the caller's order)
+            denoised = image
+        elif is_volume_major(data):
             denoised = planes_of_rows(image, empty_like_series(data))
         else:
             denoised = image.reshape(data.shape)

@@ -33,7 +33,8 @@ class DenoiseOptions:
 class PatchSums:
     """What a backend returns: per-voxel sums over the patches that served each voxel.
 
-    ``image`` (X*Y*Z, T), ``weight``, ``sigma``, ``rank`` (X*Y*Z,), all float64 (or float32 from the GPU).
+    ``image`` (X*Y*Z, T), ``weight``, ``sigma``, ``rank`` (X*Y*Z,), all float64 (or float32 from the GPU); a
+    ``normalized`` image may also come as the (X, Y, Z, T) series in the caller's order.
     For ``center`` aggregation each voxel is served by exactly one patch with weight 1, so the sums are the
     values themselves. ``normalized``: the backend has already divided ``image``, ``sigma`` and ``rank`` by
     ``weight`` (0 where the weight is 0), e.g. on its device; ``weight`` still says which voxels were served.

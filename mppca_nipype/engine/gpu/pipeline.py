@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from ..backend import PatchSums
-from ..layout import rows_of_planes
+from ..layout import is_volume_major, rows_of_planes
 from . import boxsums, graphs
 from .batch import SlabWindows
 from .plan import GPURun, GPUSettings, box_fits, plan_slabs, run_in_batches, slab_planes
 from .settling import PartFinishing, settle_on_device, settle_on_host
-from .sums import Finisher, SlabSums
+from .sums import Finisher, SlabSums, download_volume_major
 from .timeline import Timeline
 from .upload import StagedSeries, Upload, switching_often, to_device
 
@@ -107,8 +107,13 @@ class _GPURunOfSlabs:
         timeline.mark("upload started")
         run = GPURun(self.plan, self.options, self.device, self.settings, self.n_volumes)
         timeline.mark("plan's tables")
+        # a volume-major series that fits whole comes back in its order, transposed on the device at the end
+        volume_major = (self.on_gpu and self.settings.normalize and len(self.slabs) == 1
+                        and is_volume_major(self.data))
+        image_shape = ((self.n_volumes,) + self.data.shape[2::-1] if volume_major
+                       else (self.n_rows, self.n_volumes))
         outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=self.on_gpu)
-                   for shape in ((self.n_rows, self.n_volumes),) + ((self.n_rows,),) * 3]
+                   for shape in (image_shape,) + ((self.n_rows,),) * 3]
         downloads = torch.cuda.Stream(self.device) if self.on_gpu else None
         timeline.mark("set up")
         carried, done_windows = None, 0
@@ -119,7 +124,8 @@ class _GPURunOfSlabs:
             else:
                 sums = SlabSums(n_rows, self.n_volumes, self.device, carried)
             final = (slab.done - slab.first) * self.plane
-            finisher = Finisher(sums, outputs, slab.first * self.plane, final, self.settings.normalize, downloads)
+            finisher = Finisher(sums, [None] + outputs[1:] if volume_major else outputs, slab.first * self.plane,
+                                final, self.settings.normalize, downloads)
             timeline.mark("slab's sums")
             report = ((lambda done, before=done_windows: self.progress(before + done, self.plan.n_windows))
                       if self.progress else None)
@@ -128,10 +134,14 @@ class _GPURunOfSlabs:
             done_windows = slab.windows.stop
             finisher.up_to(final)
             carried = sums.tail(final)
+        if volume_major:
+            download_volume_major(sums.image, outputs[0], downloads)
         run.download_counts()
         timeline.mark("all queued")
         peak, device_name = self._wait_for_the_device(downloads)
         image, weight, sigma, rank = (x.numpy() for x in outputs)
+        if volume_major:
+            image = image.transpose(3, 2, 1, 0)  # (X, Y, Z, T), as the caller's series
         return PatchSums(image, weight, sigma, rank, normalized=self.settings.normalize,
                          info=dict(backend="gpu", device=device_name, eigensolver=run.solver.backend,
                                    gram_precision=str(run.dtype).replace("torch.", ""),

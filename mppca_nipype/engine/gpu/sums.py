@@ -18,6 +18,9 @@ from .upload import to_device
 
 #: Rows per program of ``_divide_rows_kernel``.
 DIVIDE_ROWS = 32
+#: Bytes of the divided image transposed on the device at a time by ``download_volume_major`` (each part's
+#: download runs while the next is transposed).
+TRANSPOSE_BYTES = 64 << 20
 
 
 @triton.jit
@@ -120,6 +123,8 @@ class Finisher:
         if (maps or stop == self.final) and stop > self.maps_done:
             copies += [(k, slice(self.maps_done, stop)) for k in (1, 2, 3)]
             self.maps_done = stop
+        if self.outputs is not None:  # (an output left None is not downloaded here: ``download_volume_major``)
+            copies = [(k, part) for k, part in copies if self.outputs[k] is not None]
         if not copies or self.outputs is None:
             return
         tensors = self.sums.tensors()
@@ -135,3 +140,22 @@ class Finisher:
             for k, part in copies:
                 self.outputs[k][self.first + part.start:self.first + part.stop].copy_(tensors[k][part],
                                                                                       non_blocking=True)
+
+
+def download_volume_major(image, out, downloads):
+    """The divided image (V, T), its rows in (x, y, z) order, into the page-locked host tensor ``out`` of shape
+    (T, Z, Y, X): the volume-major order of a caller's series read from a NIfTI file. Transposed on the device
+    (the current stream) some volumes at a time (``TRANSPOSE_BYTES``), each part downloaded on ``downloads``
+    while the next is transposed: the host receives the series in its order, with no transpose of its own."""
+    n_volumes = image.shape[1]
+    volumes = image.view(*reversed(out.shape[1:]), n_volumes)  # (X, Y, Z, T)
+    step = max(1, TRANSPOSE_BYTES // (4 * image.shape[0]))
+    stream = torch.cuda.current_stream(image.device)
+    for t0 in range(0, n_volumes, step):
+        part = volumes[..., t0:t0 + step].permute(3, 2, 1, 0).contiguous()
+        transposed = torch.cuda.Event()
+        transposed.record(stream)
+        downloads.wait_event(transposed)
+        part.record_stream(downloads)
+        with torch.cuda.stream(downloads):
+            out[t0:t0 + step].copy_(part, non_blocking=True)
