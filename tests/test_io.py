@@ -119,10 +119,13 @@ def test_compressed_outputs_are_standard_gzip_with_the_references_geometry(tmp_p
     assert size.stdout.split() == ["23", "19", "11", "7"]
 
 
-@pytest.mark.parametrize("dtype, slope, inter", [(np.float32, 1.0, 0.0), (np.int16, 2.5, 10.0)])
-def test_compressed_inputs_read_as_nibabel_reads_them(tmp_path, dtype, slope, inter):
+@pytest.mark.parametrize("dtype, slope, inter", [(np.float32, 1.0, 0.0), (">f4", 1.0, 0.0), (np.int16, 2.5, 10.0),
+                                                 (np.float32, 2.0, 0.0)])
+def test_compressed_inputs_read_as_nibabel_reads_them(tmp_path, dtype, slope, inter, monkeypatch):
     """``read_data`` of a .nii.gz written by nibabel's own gzip (ISA-L decompresses it): nibabel's values,
-    scaling applied."""
+    scaling applied, in NIfTI's (Fortran) order; float32 without scaling (either byte order) decompressed
+    straight into the array, in reads smaller than the series."""
+    monkeypatch.setattr(io, "READ_BYTES", 1000)
     import nibabel as nib
 
     rng = np.random.default_rng(4)
@@ -134,6 +137,9 @@ def test_compressed_inputs_read_as_nibabel_reads_them(tmp_path, dtype, slope, in
     got = io.read_data(loaded, tmp_path / "in.nii.gz")
     np.testing.assert_array_equal(got, loaded.get_fdata(dtype=np.float32))
     assert got.dtype == np.float32 and np.abs(got).max() > 1000
+    assert got.flags.f_contiguous and got.flags.writeable
+    direct = io._decompressed(loaded, io._isal("igzip").open(tmp_path / "in.nii.gz", "rb"), np.float32)
+    assert (direct is not None) == (np.dtype(dtype).kind == "f" and slope == 1.0)
 
 
 def test_a_truncated_compressed_input_fails_with_one_sentence(tmp_path):
