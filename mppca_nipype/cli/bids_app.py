@@ -442,7 +442,9 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
 
     workflow = init_bids_wf(todo, bids_dir=bids_dir, output_dir=output_dir, extent=args.extent,
                             stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
-                            demean=args.demean, use_gpu=use_gpu, num_threads=nprocs, reports=args.reports)
+                            demean=args.demean, num_threads=nprocs, reports=args.reports,
+                            # auto: each run on the GPU where it would finish first (engine.costs)
+                            use_gpu=None if use_gpu and args.device == "auto" else use_gpu)
     workflow.base_dir = str(work_dir)
     try:
         write_dataset_files(output_dir, bids_dir, citation_text(workflow))

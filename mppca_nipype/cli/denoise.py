@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 
 from .. import io
-from ..engine import DEVICES, MPPCAInputError, MPPCAWarning, check_device, denoise, resolve_options
+from ..engine import DEVICES, MPPCAInputError, MPPCAWarning, choose_device, denoise, resolve_options
 from ..phases import Phases, process_age
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, positive_int, say,
                      user_errors, warnings_as_lines)
@@ -63,8 +63,8 @@ def build_parser() -> ArgumentParser:
                         help="also write the 3D map of the number of signal components kept")
     add_denoising_options(parser)
     parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="auto: a CUDA GPU when the GPU engine is installed and usable, else the CPU "
-                             "(default: %(default)s)")
+                        help="auto: a CUDA GPU where the GPU engine is installed and usable and would "
+                             "finish first, its start included, else the CPU (default: %(default)s)")
     parser.add_argument("--nprocs", type=positive_int, metavar="N",
                         help="CPU worker processes (default: the CPUs this process may use, at most "
                              "SLURM_CPUS_PER_TASK under SLURM)")
@@ -125,10 +125,12 @@ def _checked(args, parser):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", MPPCAWarning)  # denoise() gives the same warnings, once
-            resolve_options(shape, **options)
+            resolved = resolve_options(shape, **options)
     except MPPCAInputError as err:
         parser.error(str(err))
-    check_device(args.device)  # raises MPPCAInputError, with the reason, when 'cuda' cannot be used
+    # raises MPPCAInputError, with the reason, when 'cuda' cannot be used; 'auto' probes the GPU only where
+    # it would finish first (a small series never waits for torch to be imported)
+    choose_device(args.device, shape, resolved, args.nprocs)
 
     # the destinations: distinct, not an input, writable (proved by creating their temporary files)
     outputs = {args.output: "output"}

@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 
+from . import costs
 from .backend import DenoiseOptions, PatchSums, available_cpus
 from .errors import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, is_out_of_memory
 from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
@@ -23,7 +24,8 @@ from .layout import as_float32, empty_like_series, is_volume_major, planes_of_ro
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
 __all__ = ["denoise", "DenoiseResult", "DenoiseOptions", "MPPCAInputError", "MPPCAWarning",
-           "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "available_cpus", "check_device", "resolve_options"]
+           "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "available_cpus", "check_device", "choose_device",
+           "resolve_options"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -142,7 +144,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         degrees of freedom); ``voxel``, each voxel's temporal mean (costs one volume); ``none``,
         dwidenoise's behaviour.
     device : {"auto", "cpu", "cuda"}
-        ``auto`` uses a usable CUDA GPU when the GPU engine is installed, else the CPU.
+        ``auto`` uses a usable CUDA GPU where the GPU engine is installed and would finish first, its start
+        included (``choose_device``; ``info["device_choice"]`` says why), else the CPU.
     nprocs : int, optional
         CPU worker processes (default: the CPUs this process may use).
     progress : callable(done, total), optional
@@ -188,7 +191,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
             f"patches of {plan.patch_size} voxels and {t_eff} usable volumes: MP-PCA is unreliable with "
             f"fewer than {FEW_SAMPLES} of either", MPPCAWarning, stacklevel=2)
 
-    backend = _backend(device)
+    chosen, choice = choose_device(device, data.shape, options, nprocs)
+    backend = _backend(chosen)
     try:
         sums = backend(data, finite, plan, options, nprocs=nprocs, progress=progress)
     except Exception as err:  # noqa: BLE001 - only the GPU running out of memory is recovered from
@@ -211,6 +215,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
                             aggregation=options.aggregation, demean=options.demean,
                             n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
                             n_nonfinite_voxels=n_nonfinite, seconds=seconds))
+    if choice:
+        result.info["device_choice"] = choice
     return result
 
 
@@ -284,11 +290,29 @@ def check_device(device: str) -> str:
 
 
 def _backend(device: str):
-    if check_device(device) == "cuda":
+    """The backend function of a device ``choose_device`` chose."""
+    if device == "cuda":
         from .gpu.pipeline import denoise_gpu
         return denoise_gpu
     from .cpu import denoise_cpu
     return denoise_cpu
+
+
+def choose_device(device: str, shape, options: DenoiseOptions, nprocs=None) -> tuple[str, str | None]:
+    """The backend ``denoise`` runs for this series: ("cuda" or "cpu", why, for ``auto``; else None).
+
+    ``auto`` takes the GPU where it is usable and would finish first, the start of its libraries included
+    (``costs``: a small series is done on the CPU before torch is imported); the estimate comes first, so a
+    series the CPU wins never imports torch. ``cuda`` raises MPPCAInputError when no GPU can be used.
+    """
+    if device != "auto":
+        return check_device(device), None
+    guess = costs.estimate(shape[:3], shape[3], options.extent, options.stride, nprocs or available_cpus())
+    if guess.device == "cpu":
+        return "cpu", f"auto: the CPU ({guess.reason()})"
+    if check_device("auto") == "cpu":
+        return "cpu", "auto: the CPU (no usable GPU)"
+    return "cuda", f"auto: the GPU ({guess.reason()})"
 
 
 def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:

@@ -96,6 +96,19 @@ def node_resources(shape, *, use_gpu, max_procs, extent=DEFAULTS["extent"], stri
     return n_procs, math.ceil(10 * (MEMORY_BASE + SERIES_COPIES_CPU * series_gb + n_procs * per_worker)) / 10
 
 
+def gpu_finishes_first(shape, extent, stride, num_threads) -> bool:
+    """Whether the GPU engine, started in the node's own process, would finish a series of ``shape`` before
+    the CPU engine on ``num_threads`` workers (``engine.costs``: what ``denoise(device="auto")`` decides)."""
+    from ..engine import costs
+    from ..engine.patches import resolve_extent
+
+    try:
+        extents = resolve_extent(extent, tuple(shape[:3]), int(shape[3]))
+    except ValueError:  # a wrong extent fails in the node itself, with its message
+        return True
+    return costs.estimate(tuple(shape[:3]), int(shape[3]), extents, stride, num_threads).device == "cuda"
+
+
 def sbatch_resources(node) -> str:
     """The sbatch options a node needs under Nipype's SLURM plugin: ``--cpus-per-task`` and ``--mem`` from
     its ``n_procs`` and ``mem_gb``, and ``--gres=gpu:1`` for a GPU node."""
@@ -115,7 +128,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     extent, stride, estimator, aggregation, demean
         The denoising options (see :func:`mppca_nipype.denoise`).
     use_gpu : bool, optional
-        Run on a CUDA GPU when usable (default: when a GPU is usable here).
+        Run on a CUDA GPU when usable (default: when a GPU is usable here and, the shape given, it would
+        finish first, its start included: :func:`gpu_finishes_first`).
     num_threads : int
         CPU worker processes for the node, at most (Nipype's MultiProc reserves as many).
     shape : tuple, optional
@@ -148,7 +162,10 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata"]), name="inputnode")
     outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "provenance"]),
                          name="outputnode")
-    use_gpu = gpu_probably_usable() if use_gpu is None else bool(use_gpu)
+    if use_gpu is None:  # where a GPU is usable, and (the shape known) it would finish first
+        use_gpu = gpu_probably_usable() and (shape is None or gpu_finishes_first(shape, extent, stride,
+                                                                               num_threads))
+    use_gpu = bool(use_gpu)
     n_procs, mem_gb = num_threads, None
     if shape is not None:
         n_procs, mem_gb = node_resources(shape, use_gpu=use_gpu, max_procs=num_threads, extent=extent,
