@@ -414,3 +414,20 @@ def test_cuda_without_a_usable_gpu_fails_before_reading_with_the_reason(tmp_path
     lines = stderr_lines(result)
     assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: device 'cuda' was asked for but ")
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_the_command_ends_at_once_after_a_gpu_run_its_output_flushed(tmp_path):
+    """After CUDA was started, ``console`` ends the process without Python's teardown (no atexit handler
+    runs), with what it printed flushed and status 0; without CUDA it returns as usual."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, sys, types\n"
+        "from mppca_nipype.cli import common\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "common.leave_now_after_the_gpu()\n"
+        "print('returned without CUDA', end=' ')\n"
+        "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))\n"
+        "common.leave_now_after_the_gpu()\n"
+        "print('not reached')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "returned without CUDA ", done.stdout + done.stderr

@@ -98,6 +98,19 @@ def user_errors(prog: str):
             signal.signal(signal.SIGTERM, previous)
 
 
+def leave_now_after_the_gpu(status: int = 0) -> None:
+    """End the process at once (``os._exit``) if it started CUDA, else return. For a command whose outputs are
+    all written and renamed into place: Python's exit would then tear down the CUDA context and free torch's
+    page-locked memory, 0.6-1.0 s more of the user's wait after a 96x96x60x300 run on the H200 machine,
+    which the operating system does faster by ending the process. The standard streams are flushed first."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
+
+
 @contextmanager
 def warnings_as_lines(prog: str):
     """Show each warning raised inside the block as one line, ``<prog>: warning: <message>``, once."""

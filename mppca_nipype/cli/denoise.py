@@ -18,8 +18,8 @@ import numpy as np
 from .. import io
 from ..engine import DEVICES, MPPCAInputError, MPPCAWarning, choose_device, denoise, resolve_options
 from ..phases import Phases, process_age
-from .common import (ArgumentParser, ProgressBar, add_denoising_options, positive_int, say,
-                     user_errors, warnings_as_lines)
+from .common import (ArgumentParser, ProgressBar, add_denoising_options, leave_now_after_the_gpu,
+                     positive_int, say, user_errors, warnings_as_lines)
 
 PROG = "mppca-denoise"
 
@@ -83,6 +83,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     with warnings_as_lines(PROG), user_errors(PROG):
         run(args, parser)
+
+
+def console():
+    """The ``mppca-denoise`` command: ``main``, and after a run on the GPU the process ends at once, its
+    outputs written (``common.leave_now_after_the_gpu``)."""
+    main()
+    leave_now_after_the_gpu()
 
 
 def run(args, parser) -> None:
@@ -175,4 +182,4 @@ def _same_file(path, *others) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    console()
