@@ -4,13 +4,19 @@ Python users call :func:`denoise` on arrays; Nipype users add :class:`mppca_nipy
 to a workflow; the command line has ``mppca-denoise`` (one file) and ``mppca-nipype`` (a BIDS app).
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
-
 from .engine import DenoiseResult, MPPCAInputError, MPPCAWarning, denoise
 
-try:
-    __version__ = _version("mppca-nipype")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0+unknown"
-
 __all__ = ["denoise", "DenoiseResult", "MPPCAInputError", "MPPCAWarning", "__version__"]
+
+
+def __getattr__(name):
+    # ``__version__`` is looked up when asked for: importing importlib.metadata and reading the installed
+    # packages' metadata costs 10-25 ms, which every ``import mppca_nipype`` would pay
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("mppca-nipype")
+        except PackageNotFoundError:  # running from a source tree that was not installed
+            return "0+unknown"
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

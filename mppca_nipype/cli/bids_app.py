@@ -21,7 +21,7 @@ import time
 import warnings
 
 from ..engine import DEVICES, MPPCAInputError, available_cpus
-from .common import add_denoising_options, exit_interrupted, fail, positive_int, say
+from .common import add_denoising_options, add_version_option, exit_interrupted, fail, positive_int, say
 
 PROG = "mppca-nipype"
 
@@ -135,8 +135,6 @@ def report_error(message, status):
 
 
 def build_parser():
-    from .. import __version__
-
     parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bids_dir", nargs="?", metavar="BIDS_DIR", help="the input BIDS dataset (read only)")
@@ -179,7 +177,7 @@ def build_parser():
     execution.add_argument("--plugin-args", metavar="JSON",
                            help='arguments of the plugin as JSON, e.g. \'{"sbatch_args": "-p short"}\'')
     execution.add_argument("--quiet", action="store_true", help="print only warnings and errors")
-    execution.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_version_option(execution)
     return parser
 
 

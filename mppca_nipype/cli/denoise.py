@@ -18,8 +18,8 @@ import numpy as np
 from .. import io
 from ..engine import DEVICES, MPPCAInputError, MPPCAWarning, choose_device, denoise, resolve_options
 from ..phases import Phases, process_age
-from .common import (ArgumentParser, ProgressBar, add_denoising_options, leave_now_after_the_gpu,
-                     positive_int, say, user_errors, warnings_as_lines)
+from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_version_option,
+                     leave_now_after_the_gpu, positive_int, say, user_errors, warnings_as_lines)
 
 PROG = "mppca-denoise"
 
@@ -44,12 +44,6 @@ written; 2 the command line is wrong; 130 interrupted (Ctrl-C); 143 terminated
 
 
 def build_parser() -> ArgumentParser:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        package_version = version("mppca-nipype")
-    except PackageNotFoundError:
-        package_version = "0+unknown"
     parser = ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", metavar="IN", help="the noisy 4D series (X, Y, Z, T), .nii or .nii.gz")
@@ -74,7 +68,7 @@ def build_parser() -> ArgumentParser:
                         help="print where the time went: start-up (the interpreter and the imports), checks, "
                              "read (with decompression), denoise (its input check, plan, backend and output "
                              "assembly), write (with compression)")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version}")
+    add_version_option(parser)
     return parser
 
 
