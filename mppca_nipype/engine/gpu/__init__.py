@@ -2,7 +2,9 @@
 to fit the device's memory. ``pipeline.denoise_gpu`` is the backend; its docstring says which module holds
 each step (docs/gpu.md says how they work).
 
-``usable()`` says, cheaply and without raising, whether this engine can run here.
+``usable()`` says, cheaply and without raising, whether this engine can run here. Importing this package
+points Triton's kernel cache at a folder that outlives the process and can be written
+(``use_kernel_cache``), before any of its modules imports Triton.
 """
 
 from __future__ import annotations
@@ -10,9 +12,79 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+import stat
 import sys
+import tempfile
 
-__all__ = ["usable", "absent_reason", "visible_devices"]
+__all__ = ["usable", "absent_reason", "visible_devices", "use_kernel_cache", "kernel_cache_dir"]
+
+#: The kernel cache's folder inside the user's cache folder, and inside a temporary folder of the user's own.
+KERNEL_CACHE = Path("mppca-nipype", "triton")
+
+
+def kernel_cache_dir(environ=os.environ) -> str:
+    """Where Triton should keep the compiled kernels when ``TRITON_CACHE_DIR`` is not set.
+
+    Triton's own default, ``~/.triton/cache``, cannot be written where home is read-only (containers, the
+    compute nodes of some clusters), and every kernel would then fail to compile. In order:
+    the user's cache folder, ``$XDG_CACHE_HOME`` (when absolute) or ``~/.cache``, under
+    ``mppca-nipype/triton``, when it can be written; else ``mppca-nipype-<uid>/triton`` in the temporary
+    folder (``tempfile.gettempdir()``: ``$TMPDIR``, else ``/tmp``...), the ``mppca-nipype-<uid>`` folder
+    created with mode 700 and used only if it belongs to this user and no one else may write it (the cache
+    holds shared libraries that Triton loads); else a new private temporary folder, for this process alone.
+    """
+    xdg = environ.get("XDG_CACHE_HOME", "")
+    user_cache = Path(xdg) if os.path.isabs(xdg) else Path(environ.get("HOME") or Path.home()) / ".cache"
+    if _writable_folder(user_cache / KERNEL_CACHE):
+        return str(user_cache / KERNEL_CACHE)
+    own = Path(tempfile.gettempdir(), f"mppca-nipype-{_user_id()}")
+    if _private_folder(own) and _writable_folder(own / KERNEL_CACHE.name):
+        return str(own / KERNEL_CACHE.name)
+    return tempfile.mkdtemp(prefix="mppca-nipype-triton-")
+
+
+def use_kernel_cache(environ=os.environ) -> str:
+    """Set ``TRITON_CACHE_DIR`` to ``kernel_cache_dir()`` unless it (or ``TRITON_HOME``, which moves Triton's
+    default) is set already; return the folder Triton will use. Must run before Triton compiles anything;
+    the setting is the process's (and its children's), so other Triton code in this process shares it."""
+    if environ.get("TRITON_CACHE_DIR"):
+        return environ["TRITON_CACHE_DIR"]
+    if environ.get("TRITON_HOME"):
+        return os.path.join(environ["TRITON_HOME"], ".triton", "cache")
+    environ["TRITON_CACHE_DIR"] = kernel_cache_dir(environ)
+    return environ["TRITON_CACHE_DIR"]
+
+
+def _writable_folder(folder: Path) -> bool:
+    """Whether ``folder`` exists or can be made, and a file can be created in it (tried, then removed: the
+    permission bits do not tell a read-only file system, nor anything to root)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def _private_folder(folder: Path) -> bool:
+    """Create ``folder`` with mode 700 if it is missing; whether it is a folder (not a link) of this user's
+    that no one else may write."""
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    try:
+        status = folder.lstat()
+    except OSError:
+        return False
+    return (stat.S_ISDIR(status.st_mode) and status.st_uid == _user_id()
+            and not status.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _user_id() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
 
 
 def usable() -> str | None:
@@ -70,3 +142,6 @@ def absent_reason() -> str | None:
     if sys.platform.startswith("linux") and not (_driver_devices() or Path("/dev/dxg").exists()):  # dxg: WSL
         return "no NVIDIA GPU is present (no NVIDIA driver device found)"
     return None
+
+
+use_kernel_cache()
