@@ -164,3 +164,111 @@ def test_with_a_read_only_home_kernels_compile_into_the_private_temporary_folder
     assert folder == str(tmp_path / "tmp" / f"mppca-nipype-{uid}" / "triton")
     assert list(Path(folder).glob("*/_divide_rows_kernel.cubin"))
     assert not any(home.iterdir())
+    # what the warm-up reports it compiled, read from the folder as Triton laid it out
+    from mppca_nipype.cli.denoise import _compiled_kernels
+
+    assert list(_compiled_kernels(Path(folder)).values()) == ["_divide_rows_kernel"]
+
+
+# -- the warm-up ---------------------------------------------------------------------------------------------
+
+def test_the_warm_up_runs_each_T_in_both_modes_on_grids_of_both_divisibilities():
+    """Per T and mode, the patch a full-size series of that T takes (not capped by the small grid), on a grid
+    whose voxel and window counts are multiples of 16 and on one whose counts are odd (Triton specialises
+    integer arguments on divisibility by 16)."""
+    from mppca_nipype.engine import DEFAULTS
+    from mppca_nipype.engine.gpu.warmup import DWIDENOISE_MODE, warm_up_runs
+    from mppca_nipype.engine.patches import plan_patches, resolve_extent
+
+    runs = warm_up_runs((48, 65, 300))
+    assert len(runs) == 3 * 2 * 2
+    patch_sizes = {}
+    for run in runs:
+        assert run.options in (DEFAULTS, dict(DEFAULTS, **DWIDENOISE_MODE))
+        extent = resolve_extent(run.options["extent"], run.shape, run.n_volumes)
+        assert extent == resolve_extent(run.options["extent"], (256, 256, 256), run.n_volumes)
+        everywhere = np.ones(run.shape, dtype=bool)
+        n_windows = plan_patches(run.shape, extent, run.options["stride"], everywhere, everywhere).n_windows
+        n_voxels = int(np.prod(run.shape))
+        patch_sizes.setdefault((run.n_volumes, run.mode), []).append(
+            (int(np.prod(extent)), n_voxels % 16 == 0 and n_windows % 16 == 0, n_voxels % 2 == n_windows % 2 == 1))
+        series = run.series()
+        assert series.shape == (*run.shape, run.n_volumes) and series.dtype == np.float32
+    assert patch_sizes == {
+        (48, "the defaults"): [(343, True, False), (343, False, True)],
+        (48, "dwidenoise's mode"): [(125, True, False), (125, False, True)],
+        (65, "the defaults"): [(343, True, False), (343, False, True)],
+        (65, "dwidenoise's mode"): [(125, True, False), (125, False, True)],
+        (300, "the defaults"): [(343, True, False), (343, False, True)],
+        (300, "dwidenoise's mode"): [(343, True, False), (343, False, True)],
+    }
+
+
+def test_the_warm_up_takes_the_options_mode_and_dwidenoise_s():
+    from mppca_nipype.engine.gpu.warmup import warm_up_runs
+
+    runs = warm_up_runs((48,), dict(demean="voxel", extent=11, estimator="exp1"))
+    assert [(run.mode, run.options["demean"], run.options["extent"], run.options["estimator"]) for run in runs] == [
+        ("the options given", "voxel", 11, "exp1")] * 2 + [("dwidenoise's mode", "none", "auto", "exp1")] * 2
+    assert all(min(run.shape) >= 11 for run in runs[:2])
+    dwidenoise_only = warm_up_runs((48,), dict(extent="auto", stride=1, aggregation="center", demean="none"))
+    assert {run.mode for run in dwidenoise_only} == {"the options given"} and len(dwidenoise_only) == 2
+
+
+def warm_up_command(*args, **env):
+    command = [sys.executable, "-m", "mppca_nipype.cli.denoise", "--warm-up", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="", **env))
+
+
+def test_the_warm_up_without_a_gpu_says_so_in_one_sentence_and_exits_0():
+    result = warm_up_command()
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [
+        "mppca-denoise: nothing to warm up: CUDA_VISIBLE_DEVICES hides every device"]
+    assert warm_up_command("65,300").returncode == 0
+
+
+def test_the_warm_up_fails_as_the_command_does_when_asked_for_what_it_cannot_do():
+    cuda = warm_up_command("--device", "cuda")
+    assert cuda.returncode == 1 and cuda.stderr.splitlines() == [
+        "mppca-denoise: error: device 'cuda' was asked for but CUDA_VISIBLE_DEVICES hides every device"]
+    for args, said in ((["--device", "cpu"], "cannot run with --device cpu"),
+                       (["in.nii", "out.nii"], "must be numbers of volumes"),
+                       (["48", "in.nii"], "takes no files (IN)"),
+                       (["48", "--noise", "noise.nii"], "takes no files (--noise)"),
+                       (["2"], "at least 3"),
+                       (["48", "--aggregation", "center"], "needs stride 1")):
+        result = warm_up_command(*args)
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and said in result.stderr, args
+    missing = subprocess.run([sys.executable, "-m", "mppca_nipype.cli.denoise", "in.nii"], capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 2 and "required: IN, OUT" in missing.stderr
+
+
+@pytest.mark.gpu
+def test_runs_after_the_warm_up_compile_nothing(tmp_path):
+    """``mppca-denoise --warm-up 20`` into an empty kernel cache, then ``mppca-denoise`` on a 40x44x30 series
+    of 20 volumes with the defaults and in dwidenoise's mode: the runs add nothing to the cache."""
+    from mppca_nipype.engine.gpu import usable
+    from mppca_nipype.phantoms import low_rank_phantom
+
+    reason = usable()
+    if reason is not None:
+        pytest.skip(reason)
+    cache = tmp_path / "kernels"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
+    command = [sys.executable, "-m", "mppca_nipype.cli.denoise"]
+    warm = subprocess.run([*command, "--warm-up", "20"], capture_output=True, text=True, env=env, timeout=900)
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    assert "kernel variants compiled" in warm.stderr.splitlines()[-1], warm.stderr
+    warmed = set(cache.glob("*/__grp__*.json"))
+    assert warmed
+    noisy, _ = low_rank_phantom((40, 44, 30), 20, seed=1)
+    nib.save(nib.Nifti1Image(noisy, np.eye(4)), tmp_path / "in.nii")
+    for options in ([], ["--extent", "auto", "--stride", "1", "--aggregation", "center", "--demean", "none"]):
+        run = subprocess.run([*command, str(tmp_path / "in.nii"), str(tmp_path / "out.nii"), "--device", "cuda",
+                              *options], capture_output=True, text=True, env=env, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+    compiled_by_the_runs = sorted(path.name for path in set(cache.glob("*/__grp__*.json")) - warmed)
+    assert compiled_by_the_runs == []

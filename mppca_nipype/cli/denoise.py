@@ -4,24 +4,39 @@ Every option and file is checked before any voxel is read (input header, mask sh
 output destinations), so a mistake fails at once with one sentence. The outputs are written to temporary
 files beside their destinations and renamed into place together at the end: a failure or an interrupt at any
 step leaves no output behind.
+
+``mppca-denoise --warm-up [T,...] [options]`` compiles the GPU engine's kernels for series of T volumes
+(``warm_up``), so that an image build or a node's first job pays for the compilation once.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import os
+from pathlib import Path
 import time
 import warnings
 
 import numpy as np
 
 from .. import io
-from ..engine import DEVICES, MPPCAInputError, MPPCAWarning, choose_device, denoise, resolve_options
+from ..engine import (DEVICES, MIN_VOLUMES, MPPCAInputError, MPPCAWarning, check_device, choose_device, denoise,
+                      resolve_options)
 from ..phases import Phases, process_age
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_version_option,
                      leave_now_after_the_gpu, positive_int, say, user_errors, warnings_as_lines)
 
 PROG = "mppca-denoise"
+
+USAGE = """\
+%(prog)s [options] IN OUT
+       %(prog)s --warm-up [T,...] [options]"""
+
+#: The numbers of volumes ``--warm-up`` compiles for when none are given: a DWI of 48 volumes (the tridiagonal
+#: eigen step), one of 65 (64 directions and a b = 0: XsyevBatched) and a BOLD series of 300 (gathered
+#: patches, the float64 refinement). Each T compiles kernels of its own (docs/gpu.md, "Warming up").
+WARM_UP_VOLUMES = (48, 65, 300)
 
 DESCRIPTION = """\
 Denoise a 4D diffusion or functional MRI series by Marchenko-Pastur PCA
@@ -44,10 +59,11 @@ written; 2 the command line is wrong; 130 interrupted (Ctrl-C); 143 terminated
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+    parser = ArgumentParser(prog=PROG, usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("input", metavar="IN", help="the noisy 4D series (X, Y, Z, T), .nii or .nii.gz")
-    parser.add_argument("output", metavar="OUT", help="the denoised series to write, .nii or .nii.gz")
+    parser.add_argument("input", nargs="?", metavar="IN",
+                        help="the noisy 4D series (X, Y, Z, T), .nii or .nii.gz")
+    parser.add_argument("output", nargs="?", metavar="OUT", help="the denoised series to write, .nii or .nii.gz")
     parser.add_argument("--mask", metavar="M",
                         help="3D NIfTI on IN's voxel grid: denoise only its non-zero voxels (outputs are 0 "
                              "outside; patches may still read voxels outside it)")
@@ -68,15 +84,42 @@ def build_parser() -> ArgumentParser:
                         help="print where the time went: start-up (the interpreter and the imports), checks, "
                              "read (with decompression), denoise (its input check, plan, backend and output "
                              "assembly), write (with compression)")
+    parser.add_argument("--warm-up", nargs="?", const=WARM_UP_VOLUMES, type=volume_counts, metavar="T,...",
+                        help="instead of denoising a file, compile the GPU engine's kernels for series of T "
+                             "volumes in the mode the options describe and in dwidenoise's (default: "
+                             f"{','.join(map(str, WARM_UP_VOLUMES))}); they are kept for later runs "
+                             "(docs/gpu.md, \"Warming up\"); says so and exits 0 where no GPU can be used")
     add_version_option(parser)
     return parser
+
+
+def volume_counts(text: str) -> tuple[int, ...]:
+    """``T[,T...]``: numbers of volumes, each at least ``MIN_VOLUMES``."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < MIN_VOLUMES:
+        raise argparse.ArgumentTypeError(f"must be numbers of volumes (at least {MIN_VOLUMES}) separated by "
+                                         f"commas, not {text!r}")
+    return counts
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.warm_up is not None:
+        given = [name for name, value in (("IN", args.input), ("OUT", args.output), ("--mask", args.mask),
+                                          ("--noise", args.noise), ("--rank", args.rank)) if value is not None]
+        if given:
+            parser.error(f"--warm-up denoises generated series and takes no files ({', '.join(given)})")
+    elif args.input is None or args.output is None:
+        parser.error("the following arguments are required: IN, OUT")
     with warnings_as_lines(PROG), user_errors(PROG):
-        run(args, parser)
+        if args.warm_up is not None:
+            warm_up(args, parser)
+        else:
+            run(args, parser)
 
 
 def console():
@@ -146,6 +189,70 @@ def _checked(args, parser):
                 parser.error(f"the {what} {path} would overwrite the input {source}")
         io.check_writable(path, what)
     return image, mask, options, outputs
+
+
+def warm_up(args, parser) -> None:
+    """Denoise small generated series on the GPU (``engine.gpu.warmup.warm_up_runs``: each T of
+    ``args.warm_up`` in the options' mode and dwidenoise's) so that Triton compiles the kernels runs of those T
+    take and keeps them in its cache folder; say what each series compiled and how long it took. Where no
+    GPU can be used: one sentence, and nothing else to do (``--device cuda``: that is an error)."""
+    if args.device == "cpu":
+        parser.error("--warm-up compiles the GPU engine's kernels and cannot run with --device cpu")
+    options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
+                   aggregation=args.aggregation, demean=args.demean)
+    for n_volumes in args.warm_up:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", MPPCAWarning)
+                resolve_options((1001, 1001, 1001, n_volumes), **options)
+        except MPPCAInputError as err:
+            parser.error(str(err))
+    from ..engine.gpu import usable, use_kernel_cache
+
+    reason = usable()
+    if reason is not None:
+        check_device(args.device)  # 'cuda': MPPCAInputError with the reason
+        say(f"{PROG}: nothing to warm up: {reason}")
+        return
+    from ..engine.gpu.warmup import warm_up_runs
+
+    cache = Path(use_kernel_cache())
+    runs = warm_up_runs(args.warm_up, options)
+    if not args.quiet:
+        say(f"{PROG}: warm-up: {len(runs)} series of T = {', '.join(map(str, args.warm_up))} "
+            f"({', '.join(dict.fromkeys(run.mode for run in runs))}); kernels kept in {cache}")
+    started = time.perf_counter()
+    compiled = Counter()
+    for run in runs:
+        before = _compiled_kernels(cache)
+        run_started = time.perf_counter()
+        denoise(run.series(), device="cuda", **run.options)
+        seconds = time.perf_counter() - run_started
+        new = Counter(name for entry, name in _compiled_kernels(cache).items() if entry not in before)
+        compiled += new
+        if not args.quiet:
+            say(f"{PROG}: warm-up: {run.label}: {seconds:.1f} s, {_kernel_counts(new)}")
+    if not args.quiet:
+        seconds = time.perf_counter() - started
+        what = (f"{sum(compiled.values())} kernel variants compiled into {cache}" if compiled
+                else f"every kernel was in {cache} already")
+        say(f"{PROG}: warm-up: done in {seconds:.1f} s; {what}")
+
+
+def _compiled_kernels(cache: Path) -> dict:
+    """{entry: kernel name} of the compiled kernels in Triton's cache folder: each of its entries holds one
+    specialisation of one kernel, named by its ``__grp__<kernel>.json``."""
+    prefix, suffix = "__grp__", ".json"
+    return {group.parent.name: group.name[len(prefix):-len(suffix)]
+            for group in cache.glob(f"*/{prefix}*{suffix}")}
+
+
+def _kernel_counts(counts: Counter) -> str:
+    """'compiled _gram_kernel x2, _threshold_kernel' or 'nothing compiled'."""
+    if not counts:
+        return "nothing compiled"
+    return "compiled " + ", ".join(name + (f" x{count}" if count > 1 else "")
+                                   for name, count in sorted(counts.items()))
 
 
 def summary(result, data, mask, seconds: float) -> str:
