@@ -272,3 +272,50 @@ def test_runs_after_the_warm_up_compile_nothing(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
     compiled_by_the_runs = sorted(path.name for path in set(cache.glob("*/__grp__*.json")) - warmed)
     assert compiled_by_the_runs == []
+
+
+# -- a script that calls denoise() from its top level --------------------------------------------------------
+
+SCRIPT = """\
+import hashlib
+import numpy as np
+import torch
+torch.cuda.is_initialized = lambda: True  # as after a GPU run in this process: workers cannot be forked
+from mppca_nipype import denoise
+
+{call}
+"""
+CALL = """\
+data = (np.random.default_rng(0).standard_normal((20, 20, 10, 30)) + 10).astype(np.float32)
+result = denoise(data, device="cpu", nprocs=2)
+print(result.info["nprocs"], hashlib.sha256(result.denoised.tobytes()).hexdigest())
+"""
+
+
+def run_script(tmp_path, name, call):
+    pytest.importorskip("torch")
+    script = tmp_path / f"{name}.py"
+    script.write_text(SCRIPT.format(call=call))
+    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    nprocs, checksum = child.stdout.split()
+    return int(nprocs), checksum, child.stderr
+
+
+def test_a_script_without_a_main_guard_runs_in_one_process_and_says_why(tmp_path):
+    """Workers that cannot be forked (a CUDA context is live) import the main script again; a call from its
+    top level outside ``if __name__ == "__main__":`` would run again in each and break the pool. It runs in
+    the calling process instead, with one warning; with the guard it runs on 2 workers, to the same bits."""
+    unguarded = run_script(tmp_path, "unguarded", CALL)
+    assert unguarded[0] == 1
+    warning = [line for line in unguarded[2].splitlines() if "MPPCAWarning" in line]
+    assert len(warning) == 1 and "runs in 1 process instead of 2" in warning[0]
+    assert "unguarded.py again, which calls denoise() outside an 'if __name__ == \"__main__\":'" in warning[0]
+    called_from_a_function = run_script(tmp_path, "in_function", "def main():\n" + "".join(
+        "    " + line + "\n" for line in CALL.splitlines()) + "\nmain()\n")
+    assert called_from_a_function[0] == 1
+    guarded = run_script(tmp_path, "guarded", 'if __name__ == "__main__":\n' + "".join(
+        "    " + line + "\n" for line in CALL.splitlines()))
+    assert guarded[0] == 2 and "MPPCAWarning" not in guarded[2]
+    assert unguarded[1] == called_from_a_function[1] == guarded[1]

@@ -14,20 +14,24 @@ than a multithreaded BLAS fighting over the same cores.
 
 from __future__ import annotations
 
+import ast
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 import importlib.util
 import multiprocessing
 from multiprocessing import shared_memory
 import os
+from pathlib import Path
 import signal
 import sys
 import time
+import warnings
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from .backend import PatchSums, available_cpus
+from .errors import MPPCAWarning
 from .estimators import aggregation_weights, marchenko_pastur_threshold, signal_projector
 from .layout import is_volume_major, rows_of_planes
 
@@ -283,15 +287,63 @@ def _voxel_major(data, allocate):
     return rows_of_planes(data, slice(None), allocate(shape, np.float32))
 
 
-def _process_context():
-    """How to start workers: fork where it is safe (Linux, no CUDA context in this process): fast, and it
-    does not re-import the caller's script, which ``spawn``/``forkserver`` do (breaking scripts without an
-    ``if __name__ == "__main__"`` guard); else forkserver."""
+def _process_context(nprocs: int):
+    """How to start ``nprocs`` workers, or None to run in this process.
+
+    fork where it is safe (Linux, no CUDA context in this process): fast, and it does not re-import the
+    caller's script. Else forkserver, whose workers import the main module again: a script that called
+    ``denoise`` from its top level, outside an ``if __name__ == "__main__":`` block, would call it again in
+    each worker, which multiprocessing refuses there, and the pool would break (BrokenProcessPool). Such a
+    call runs in this process, with a warning (``_rerun_by_workers``).
+    """
+    if nprocs == 1:
+        return None
     torch = sys.modules.get("torch")
     cuda_live = torch is not None and torch.cuda.is_initialized()
     if sys.platform.startswith("linux") and not cuda_live:
         return multiprocessing.get_context("fork")
+    script = _rerun_by_workers()
+    if script is not None:
+        why = "with a CUDA context live in this process," if cuda_live else "on this system,"
+        warnings.warn(f"denoise() runs in 1 process instead of {nprocs}: {why} worker processes cannot be "
+                      f"forked and would run {script} again, which calls denoise() outside an 'if __name__ == "
+                      f"\"__main__\":' block; put the call inside one to use {nprocs}", MPPCAWarning, stacklevel=4)
+        return None
     return multiprocessing.get_context("forkserver")
+
+
+def _rerun_by_workers() -> str | None:
+    """The main script (or module), when this call comes from its top-level code outside an
+    ``if __name__ == "__main__":`` block (workers started by spawn or forkserver import it again and would
+    make the call again); else None (the guarded block, an interactive session, ``python -c``)."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) is None:  # nothing a worker would import again
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:  # called after the main module's top level ran (from a thread, a callback...)
+        return None
+    filename, line = frame.f_code.co_filename, frame.f_lineno
+    try:
+        tree = ast.parse(Path(filename).read_text(), filename)
+    except (OSError, SyntaxError, ValueError):  # source unreadable: a worker's import might run the call
+        return filename
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _tests_main_name(node.test) and node.body[0].lineno <= line <= (
+                node.body[-1].end_lineno):
+            return None
+    return filename
+
+
+def _tests_main_name(test) -> bool:
+    """Whether an ``if`` test is ``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return ({type(side) for side in sides} == {ast.Name, ast.Constant}
+            and {getattr(side, "id", None) for side in sides} >= {"__name__"}
+            and {getattr(side, "value", None) for side in sides} >= {"__main__"})
 
 
 def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
@@ -302,6 +354,9 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     finite_flat = finite.reshape(n_voxels)
     units = work_units(plan)
     nprocs = min(nprocs or available_cpus(), max(len(units), 1))
+    context = _process_context(nprocs)
+    if context is None:
+        nprocs = 1
     eigh = eigh_provider(plan.n_windows, min(plan.patch_size, n_volumes))
 
     center = options.aggregation == "center"
@@ -340,7 +395,7 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
         try:
             volume_shm = _shared_memory(n_voxels * n_volumes * 4)
             _voxel_major(data, lambda shape, dtype: np.ndarray(shape, dtype, buffer=volume_shm.buf))
-            with ProcessPoolExecutor(nprocs, mp_context=_process_context(), initializer=_attach,
+            with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
                                      initargs=(volume_shm.name, (n_voxels, n_volumes), finite_shm.name,
                                                plan, options, eigh)) as pool:
                 for done, result in enumerate(pool.map(_run_unit_in_worker, units), 1):
