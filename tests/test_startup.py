@@ -57,6 +57,16 @@ def test_denoising_on_the_cpu_loads_nothing_heavy():
         assert "array_api_compat.numpy" not in loaded
 
 
+def test_device_auto_where_no_gpu_can_be_loads_no_torch(monkeypatch):
+    """``auto`` imports torch to ask CUDA only where a GPU may be present; ``CUDA_VISIBLE_DEVICES=""`` rules
+    it out first."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    code = ("import numpy as np\n"
+            "from mppca_nipype import denoise\n"
+            "data = (np.random.default_rng(0).standard_normal((12, 12, 10, 20)) + 10).astype(np.float32)\n"
+            "assert denoise(data, device='auto', nprocs=1).info['backend'] == 'cpu'")
+    assert heavy(loaded_by(code)) == []
+
 def test_the_command_on_the_cpu_loads_nothing_heavy(tmp_path):
     data = (np.random.default_rng(0).standard_normal((12, 12, 10, 20)) + 10).astype(np.float32)
     nib.save(nib.Nifti1Image(data, np.eye(4)), tmp_path / "in.nii")
@@ -66,6 +76,30 @@ def test_the_command_on_the_cpu_loads_nothing_heavy(tmp_path):
     assert (tmp_path / "out.nii").exists()
     assert heavy(loaded) == []
 
+
+
+@pytest.mark.gpu
+def test_nvmath_is_loaded_only_when_cusolver_solves():
+    """A run of 48 volumes takes the tridiagonal Triton kernels and leaves nvmath-python (cuSOLVER) unloaded;
+    one of 65 takes XsyevBatched, through nvmath when it is installed."""
+    from mppca_nipype.engine.gpu import usable
+
+    reason = usable()
+    if reason is not None:
+        pytest.skip(reason)
+    for n_volumes, nvmath_loaded in ((48, False), (65, importlib.util.find_spec("nvmath") is not None)):
+        code = ("import sys\n"
+                "from mppca_nipype import denoise\n"
+                "from mppca_nipype.phantoms import low_rank_phantom\n"
+                f"noisy, _ = low_rank_phantom((24, 24, 20), {n_volumes})\n"
+                "print(denoise(noisy, device='cuda').info['eigensolver'])\n"
+                "print('nvmath' in sys.modules)")
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert child.returncode == 0, child.stderr[-3000:]
+        eigensolver, loaded = child.stdout.splitlines()[-2:]
+        assert eigensolver.startswith("triton tridiagonal" if n_volumes <= 64 else "cusolverDnXsyevBatched" if
+                                      nvmath_loaded else "torch.linalg.eigh"), eigensolver
+        assert loaded == str(nvmath_loaded)
 
 # -- where Triton keeps the compiled kernels ----------------------------------------------------------------
 

@@ -74,7 +74,9 @@ def build_parser() -> ArgumentParser:
     add_denoising_options(parser)
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="auto: a CUDA GPU where the GPU engine is installed and usable and would "
-                             "finish first, its start included, else the CPU (default: %(default)s)")
+                             "finish first, its start included, else the CPU (where the GPU may win and be "
+                             "present, asking CUDA imports torch: 2-3 s); cpu: no GPU probe "
+                             "(default: %(default)s)")
     parser.add_argument("--nprocs", type=positive_int, metavar="N",
                         help="CPU worker processes (default: the CPUs this process may use, at most "
                              "SLURM_CPUS_PER_TASK under SLURM)")

@@ -272,7 +272,10 @@ def check_device(device: str) -> str:
     """The backend ``denoise(device=device)`` would run: "cuda" or "cpu".
 
     ``auto`` takes a usable CUDA GPU when the GPU engine is installed, else the CPU; ``cuda`` raises
-    MPPCAInputError, with the reason, when no GPU can be used.
+    MPPCAInputError, with the reason, when no GPU can be used. ``cpu`` probes nothing. ``auto`` and ``cuda``
+    import torch (2-3 s) where a GPU may be present, to ask CUDA whether it can be used (then the run uses
+    it, and torch, anyway); where none can be (no driver's device, torch or triton not installed,
+    ``CUDA_VISIBLE_DEVICES`` empty) they answer without importing it (``gpu.absent_reason``).
     """
     _check_choice("device", device, DEVICES)
     if device == "cpu":
