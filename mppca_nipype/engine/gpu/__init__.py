@@ -56,8 +56,8 @@ def use_kernel_cache(environ=os.environ) -> str:
 
 
 def _writable_folder(folder: Path) -> bool:
-    """Whether ``folder`` exists or can be made, and a file can be created in it (tried, then removed: the
-    permission bits do not tell a read-only file system, nor anything to root)."""
+    """Whether ``folder`` exists or can be made, and a file can be created in it (one is created and removed:
+    the permission bits do not tell a read-only file system, nor anything to root)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):

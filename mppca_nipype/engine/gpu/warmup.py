@@ -10,8 +10,8 @@ options:
 - the demeaning (``DEMEAN``), the Gram precision (``FP64``: a float32 first pass, its float64 settling pass),
   a counted launch (``COUNTED``: the settling pass chosen on the device), the rank-one term of an undemeaned
   float32 run (``RANK_ONE``), the estimator (``EXP1``) and the settling test (``SETTLE``);
-- the path, from T: up to 64 the tridiagonal kernels, up to 128 the fused kernels with XsyevBatched (no
-  Triton kernel in the eigen step), beyond gathered patches and cuBLAS;
+- the path, from T (in a float32 first pass): up to 64 the tridiagonal kernels, up to 128 the fused kernels
+  with XsyevBatched (no Triton kernel in the eigen step), beyond gathered patches and cuBLAS;
 - for the box sums (voxel demeaning on a full grid) also the image's y and z sizes, which a warm-up cannot
   know.
 
@@ -35,7 +35,7 @@ from ..patches import resolve_extent, window_positions
 #: MRtrix3 dwidenoise's mode (its estimator is the options').
 DWIDENOISE_MODE = dict(extent="auto", stride=1, aggregation="center", demean="none")
 
-#: An extent larger than any image: the extent a rule gives, uncapped.
+#: A grid larger than any patch: on it ``resolve_extent`` gives the extent a rule asks for, uncapped.
 _UNCAPPED = (1001, 1001, 1001)
 
 #: The sides a warm-up grid may take along an axis: the extent plus this many voxels, or more...
