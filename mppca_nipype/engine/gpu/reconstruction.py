@@ -95,7 +95,12 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
             BLOCK_N=block_voxels(n_volumes), BLOCK_T=block_volumes(n_volumes), num_warps=4)
 
 
-@triton.jit
+# The per-centre tables and per-window values are read one scalar per program, and the maps written one
+# scalar: their pointers' alignment buys nothing, and specialising on it compiled a variant per alignment of
+# a batch's slices of them (a run after ``mppca-denoise --warm-up`` compiled one more).
+@triton.jit(do_not_specialize_on_alignment=["centre_voxel_ptr", "centre_window_ptr", "patch_weight_ptr",
+                                            "patch_sigma_ptr", "patch_rank_ptr", "weight_ptr", "sigma_ptr",
+                                            "rank_ptr"])
 def _reconstruct_centres_kernel(volume_ptr, centre_voxel_ptr, centre_window_ptr, projector_ptr,
                                 volume_mean_ptr, patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
                                 image_ptr, weight_ptr, sigma_ptr, rank_ptr, n_volumes: tl.constexpr,
