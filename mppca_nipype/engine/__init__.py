@@ -341,9 +341,11 @@ def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
         # divided in the sums' precision and rounded once to float32, with no (V, T) temporary
         denoised = planes_of_rows(sums.image, empty_like_series(data), divisor=weight)
         sigma, rank = (sums.sigma / weight).reshape(shape3), (sums.rank / weight).reshape(shape3)
-    denoised[~served] = 0
-    keep_input = mask & ~finite
-    denoised[keep_input] = data[keep_input]
+    if not served.all():  # (a pass over the whole series, only where some voxel was not served)
+        denoised[~served] = 0
+        keep_input = mask & ~finite
+        if keep_input.any():
+            denoised[keep_input] = data[keep_input]
     sigma = np.where(served, sigma, 0).astype(np.float32)
     rank = np.where(served, rank, 0).astype(np.float32)
     return DenoiseResult(denoised, sigma, rank, info={})
