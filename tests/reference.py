@@ -95,6 +95,15 @@ def mp_threshold(eigenvalues, n_voxels, n_volumes, estimator):
     return r, 0.0
 
 
+def given_noise_rank(eigenvalues, n_voxels, n_volumes, sigma2):
+    """P of one patch whose noise variance sigma^2 is given: the number of lambda_i = s_i / q (the r largest,
+    clamped at 0) above the Marchenko-Pastur edge sigma^2 (1 + sqrt(r / q))^2."""
+    r, q = min(n_voxels, n_volumes), max(n_voxels, n_volumes)
+    s = sorted((float(v) for v in eigenvalues), reverse=True)[:r]
+    edge = sigma2 * (1.0 + math.sqrt(r / q)) ** 2
+    return sum(1 for v in s if max(v, 0.0) / q > edge)
+
+
 def patch_matrix(data, voxels, finite):
     """The n_eff x T matrix of the patch's finite voxels (one row per voxel), and those voxels."""
     kept = [v for v in voxels if finite[v]]
@@ -115,8 +124,9 @@ def patch_spectrum(X):
     return eigenvalues, eigenvectors, time_side
 
 
-def denoise_patch(X, demean, estimator):
-    """MP-PCA of one patch: (X_hat, P, sigma^2).
+def denoise_patch(X, demean, estimator, given_sigma2=None):
+    """MP-PCA of one patch: (X_hat, P, sigma^2); with ``given_sigma2``, P by ``given_noise_rank`` and that
+    sigma^2.
 
     ``demean``: "none"; "voxel" removes each row's mean (one degree of freedom less along time);
     "volume" removes each column's mean, the patch's mean time course (one less along the voxels).
@@ -130,7 +140,10 @@ def denoise_patch(X, demean, estimator):
         means, n_eff, t_eff = np.zeros((1, 1)), n, T
     centred = X - means
     eigenvalues, eigenvectors, time_side = patch_spectrum(centred)
-    P, sigma2 = mp_threshold(eigenvalues, n_eff, t_eff, estimator)
+    if given_sigma2 is None:
+        P, sigma2 = mp_threshold(eigenvalues, n_eff, t_eff, estimator)
+    else:
+        P, sigma2 = given_noise_rank(eigenvalues, n_eff, t_eff, given_sigma2), given_sigma2
     top = eigenvectors[:, ::-1][:, :P]  # the P leading eigenvectors
     if time_side:
         restored = centred @ top @ top.T  # X V_P V_P^T
@@ -140,8 +153,11 @@ def denoise_patch(X, demean, estimator):
 
 
 @threadpool_limits.wrap(limits=1)  # tiny matrices: BLAS threads would only fight over the cores
-def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, estimator):
-    """Denoise ``data`` (X, Y, Z, T) one patch at a time; return (denoised, sigma, rank), float64."""
+def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, estimator, noise=None):
+    """Denoise ``data`` (X, Y, Z, T) one patch at a time; return (denoised, sigma, rank), float64.
+
+    ``noise``: a given sigma, one number or an (X, Y, Z) map; a patch's sigma^2 is then the mean of the map's
+    sigma^2 over its finite voxels where the map is positive and finite."""
     data = np.asarray(data)
     shape3, T = data.shape[:3], data.shape[3]
     mask = np.ones(shape3, dtype=bool) if mask is None else np.asarray(mask) != 0
@@ -156,7 +172,13 @@ def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, e
     rank_sum = np.zeros(shape3)
     for corner, centre in reference_patches(shape3, extent, stride, mask, finite):
         X, kept = patch_matrix(data, window_voxels(corner, extent), finite)
-        restored, P, sigma2 = denoise_patch(X, demean, estimator)
+        given_sigma2 = None
+        if noise is not None and np.ndim(noise) == 0:
+            given_sigma2 = float(noise) ** 2
+        elif noise is not None:
+            values = [float(noise[v]) ** 2 for v in kept if np.isfinite(noise[v]) and noise[v] > 0]
+            given_sigma2 = math.fsum(values) / len(values)
+        restored, P, sigma2 = denoise_patch(X, demean, estimator, given_sigma2)
         if aggregation == "center":
             row = kept.index(centre)
             image[centre] = restored[row]

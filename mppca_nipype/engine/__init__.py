@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+import math
+import numbers
 import threading
 import time
 import warnings
@@ -25,7 +27,7 @@ from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
 __all__ = ["denoise", "DenoiseResult", "DenoiseOptions", "MPPCAInputError", "MPPCAWarning",
            "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "available_cpus", "check_device", "choose_device",
-           "resolve_options"]
+           "resolve_noise", "resolve_options"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -67,8 +69,12 @@ def _check_choice(name, value, choices):
         raise MPPCAInputError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
 
 
-def resolve_options(shape, *, extent, stride, estimator, aggregation, demean) -> DenoiseOptions:
-    """Check every option against the data's shape; raise MPPCAInputError with one sentence if wrong."""
+def resolve_options(shape, *, extent, stride, estimator, aggregation, demean, noise=None,
+                    mask=None) -> DenoiseOptions:
+    """Check every option against the data's shape; raise MPPCAInputError with one sentence if wrong.
+
+    ``noise`` and ``mask`` as ``denoise`` takes them (``resolve_noise``).
+    """
     _check_choice("estimator", estimator, ESTIMATORS)
     _check_choice("aggregation", aggregation, AGGREGATIONS)
     _check_choice("demean", demean, DEMEANING)
@@ -81,7 +87,44 @@ def resolve_options(shape, *, extent, stride, estimator, aggregation, demean) ->
         extent = resolve_extent(extent, shape[:3], n_volumes)
     except ValueError as err:
         raise MPPCAInputError(str(err)) from None
-    return DenoiseOptions(extent, int(stride), estimator, aggregation, demean)
+    return DenoiseOptions(extent, int(stride), estimator, aggregation, demean,
+                          noise_variance=resolve_noise(noise, shape[:3], mask))
+
+
+def resolve_noise(noise, spatial_shape, mask=None):
+    """The given noise level as ``DenoiseOptions.noise_variance``: None, sigma^2, or a flat float64 map of
+    sigma^2 (0 where a voxel outside the mask has no usable value).
+
+    ``noise`` is None, a positive number, or an (X, Y, Z) array of sigma on the input's grid (a trailing
+    axis of length 1 allowed). Inside the mask (everywhere without one) every value must be finite and
+    positive; outside it, non-finite or non-positive values are allowed (a map masked to the brain) and
+    such voxels are left out of the patches' mean sigma^2.
+    """
+    if noise is None:
+        return None
+    if isinstance(noise, (numbers.Real, np.floating, np.integer)) and not isinstance(noise, bool):
+        if not (math.isfinite(noise) and noise > 0):
+            raise MPPCAInputError(f"the given noise level must be a positive number, not {noise!r}")
+        return float(noise) ** 2
+    sigma = np.asarray(noise)
+    if sigma.ndim == 4 and sigma.shape[3] == 1:
+        sigma = sigma[..., 0]
+    if not (np.issubdtype(sigma.dtype, np.floating) or np.issubdtype(sigma.dtype, np.integer)):
+        raise MPPCAInputError(f"the given noise level must be a number or a 3D array of numbers, not "
+                              f"{sigma.dtype} values")
+    if sigma.shape != tuple(spatial_shape):
+        raise MPPCAInputError(f"the noise map's shape {sigma.shape} does not match the image's "
+                              f"{tuple(spatial_shape)}")
+    sigma = sigma.astype(np.float64)
+    usable = np.isfinite(sigma) & (sigma > 0)
+    inside = np.ones(sigma.shape, dtype=bool) if mask is None else np.asarray(mask) != 0
+    bad = inside & ~usable
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = "inside the mask" if mask is not None else "(allowed only outside a mask)"
+        raise MPPCAInputError(f"the noise map is not a positive finite number at {int(bad.sum())} voxels "
+                              f"{where}, the first at {first}")
+    return np.where(usable, sigma, 0.0).reshape(-1) ** 2
 
 
 def check_data(data, mask):
@@ -110,8 +153,8 @@ def check_data(data, mask):
 
 def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
             estimator=DEFAULTS["estimator"],
-            aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], device="auto", nprocs=None,
-            progress=None) -> DenoiseResult:
+            aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise=None, device="auto",
+            nprocs=None, progress=None) -> DenoiseResult:
     """Denoise a 4D series by Marchenko-Pastur PCA (MP-PCA).
 
     Each patch (a cuboid of ``extent`` voxels) becomes an n x T matrix; the eigenvalues of its Gram matrix
@@ -143,6 +186,12 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         time course (the mean over its voxels of each volume; DIPY's centring; costs one voxel's worth of
         degrees of freedom); ``voxel``, each voxel's temporal mean (costs one volume); ``none``,
         dwidenoise's behaviour.
+    noise : positive number or (X, Y, Z) array, optional
+        A given noise level (standard deviation) that replaces the per-patch estimate: one number, or a map
+        of sigma on the input's grid (each patch takes the mean of sigma^2 over its finite voxels; inside the
+        mask every value must be positive and finite, ``resolve_noise``). A patch keeps the components
+        whose lambda_i = s_i / q lie above the Marchenko-Pastur edge sigma^2 (1 + sqrt(r / q))^2
+        (``estimators.given_noise_threshold``), and ``sigma`` reports the given level. CPU only for now.
     device : {"auto", "cpu", "cuda"}
         ``auto`` uses a usable CUDA GPU where the GPU engine is installed and would finish first, its start
         included (``choose_device``; ``info["device_choice"]`` says why), else the CPU.
@@ -169,7 +218,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
 
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
-                              aggregation=aggregation, demean=demean)
+                              aggregation=aggregation, demean=demean, noise=noise, mask=mask)
     if nprocs is not None and (isinstance(nprocs, bool) or int(nprocs) != nprocs or nprocs < 1):
         raise MPPCAInputError(f"nprocs must be a positive integer, not {nprocs!r}")
 
@@ -213,7 +262,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     result.info.update(sums.info)
     result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
                             aggregation=options.aggregation, demean=options.demean,
-                            n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
+                            noise="given" if options.noise_given else "estimated", n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
                             n_nonfinite_voxels=n_nonfinite, seconds=seconds))
     if choice:
         result.info["device_choice"] = choice
@@ -306,8 +355,17 @@ def choose_device(device: str, shape, options: DenoiseOptions, nprocs=None) -> t
 
     ``auto`` takes the GPU where it is usable and would finish first, the start of its libraries included
     (``costs``: a small series is done on the CPU before torch is imported); the estimate comes first, so a
-    series the CPU wins never imports torch. ``cuda`` raises MPPCAInputError when no GPU can be used.
+    series the CPU wins never imports torch. ``cuda`` raises MPPCAInputError when no GPU can be used, or when
+    the noise level is given (the GPU engine estimates it per patch only); ``auto`` then runs on the CPU.
     """
+    if options.noise_given:
+        _check_choice("device", device, DEVICES)
+        if device == "cuda":
+            raise MPPCAInputError("device 'cuda' was asked for but the GPU engine does not take a given noise "
+                                  "level yet; use device 'cpu' or 'auto'")
+        if device == "auto":
+            return "cpu", "auto: the CPU (the GPU engine does not take a given noise level yet)"
+        return "cpu", None
     if device != "auto":
         return check_device(device), None
     guess = costs.estimate(shape[:3], shape[3], options.extent, options.stride, nprocs or available_cpus())

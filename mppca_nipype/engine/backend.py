@@ -15,18 +15,29 @@ import numpy as np
 
 @dataclass(frozen=True)
 class DenoiseOptions:
-    """Validated, resolved options: what every backend receives."""
+    """Validated, resolved options: what every backend receives.
+
+    ``noise_variance``: None to estimate each patch's noise (``estimator``); else the given noise as a
+    variance, one number (sigma^2) or a flat (X*Y*Z,) float64 map of sigma^2 with 0 where a voxel outside
+    the mask had no usable value (``engine.resolve_noise``). Only the CPU engine takes it.
+    """
 
     extent: tuple[int, int, int]
     stride: int
     estimator: str
     aggregation: str
     demean: str
+    noise_variance: float | np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def demeaned(self) -> bool:
         """Whether a mean was removed (it costs the patch one parameter in the aggregation weight)."""
         return self.demean != "none"
+
+    @property
+    def noise_given(self) -> bool:
+        """Whether the noise level is given rather than estimated per patch."""
+        return self.noise_variance is not None
 
 
 @dataclass

@@ -32,7 +32,8 @@ from threadpoolctl import threadpool_limits
 
 from .backend import PatchSums, available_cpus
 from .errors import MPPCAWarning
-from .estimators import aggregation_weights, marchenko_pastur_threshold, signal_projector
+from .estimators import (aggregation_weights, given_noise_threshold, marchenko_pastur_threshold,
+                         signal_projector)
 from .layout import is_volume_major, rows_of_planes
 
 #: Memory one batch may use for its patch matrices (float64), per process.
@@ -176,8 +177,23 @@ def fit_windows(volume, finite, plan, options, windows: slice, eigh: str = "nump
     else:
         gram = np.matmul(patches, patches.transpose(0, 2, 1))
     eigenvalues, eigenvectors = batched_eigh(gram, eigh)
-    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, options.estimator)
+    if options.noise_given:
+        sigma2 = given_noise_variance(options.noise_variance, voxels, took_part)
+        rank = given_noise_threshold(eigenvalues, n_voxels, n_volumes, sigma2)
+    else:
+        rank, sigma2 = marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, options.estimator)
     return WindowFit(patches, means, eigenvectors, time_side, rank, sigma2, voxels, took_part)
+
+
+def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
+    """Each window's given sigma^2: the number, or the mean of the map's sigma^2 over the window's voxels that
+    took part and have a value (the map is 0 where a voxel outside the mask had none). Every window that runs
+    holds a finite voxel of the mask, which has one."""
+    if np.ndim(noise_variance) == 0:
+        return np.full(len(voxels), float(noise_variance))
+    values = noise_variance[voxels]  # (B, n)
+    counted = took_part & (values > 0)
+    return np.where(counted, values, 0.0).sum(axis=1) / np.maximum(counted.sum(axis=1), 1)
 
 
 def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):

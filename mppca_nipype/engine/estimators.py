@@ -10,6 +10,8 @@ using random matrix theory. NeuroImage 142:394-406 (2016). doi:10.1016/j.neuroim
 Cordero-Grande L, Christiaens D, Hutter J, Price AN, Hajnal JV. Complex diffusion-weighted image
 estimation via matrix recovery under general noise models. NeuroImage 200:391-404 (2019).
 doi:10.1016/j.neuroimage.2019.06.039
+Gavish M, Donoho DL. The optimal hard threshold for singular values is 4/sqrt(3). IEEE Transactions on
+Information Theory 60(8):5040-5053 (2014). doi:10.1109/TIT.2014.2323359
 """
 
 from __future__ import annotations
@@ -98,6 +100,51 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
                       xp.zeros_like(r[:, 0]))
     rank = xp.astype(r[:, 0] - n_noise, xp.int64)
     return rank, sigma2
+
+
+def given_noise_threshold(eigenvalues, n_voxels, n_volumes, sigma2):
+    """Number of signal components of each patch when its noise variance is known.
+
+    Parameters
+    ----------
+    eigenvalues : (B, m) array, ascending along the last axis
+        As for ``marchenko_pastur_threshold``: only the top ``r = min(n_voxels, n_volumes)`` are used.
+    n_voxels : (B,) integer array
+        Voxels that took part in each patch (less one after removing the patch's mean time course).
+    n_volumes : int or (B,) integer array
+        Degrees of freedom along time: T, or T - 1 after removing each voxel's mean.
+    sigma2 : float or (B,) array
+        The given noise variance sigma^2 of each patch.
+
+    Returns
+    -------
+    rank : (B,) integer array
+        P, the number of usable lambda_i above the Marchenko-Pastur upper edge sigma^2 (1 + sqrt(gamma))^2
+        (at most r).
+
+    Notes
+    -----
+    With lambda_i = s_i / q (s clamped at 0), q = max(n, T), r = min(n, T) and gamma = r / q, pure noise of
+    variance sigma^2 puts every lambda_i below sigma^2 (1 + sqrt(gamma))^2 as n and T grow (the
+    Marchenko-Pastur law's upper edge); what lies above it is signal (Gavish & Donoho 2014 threshold
+    singular values at the same bulk edge when sigma is known).
+    """
+    xp = array_namespace(eigenvalues)
+    dtype = eigenvalues.dtype
+    m = eigenvalues.shape[-1]
+    n_voxels, n_volumes = (_counts_beside(xp, value, eigenvalues) for value in (n_voxels, n_volumes))
+    r = xp.astype(xp.minimum(n_voxels, n_volumes), dtype)
+    q = xp.astype(xp.maximum(n_voxels, n_volumes), dtype)
+    if isinstance(sigma2, numbers.Real):
+        sigma2 = xp.full(r.shape, float(sigma2), dtype=dtype, device=eigenvalues.device)
+    else:
+        sigma2 = xp.astype(xp.asarray(sigma2, device=eigenvalues.device), dtype)
+    edge = sigma2 * (1.0 + xp.sqrt(r / q)) ** 2
+    index = xp.astype(xp.arange(m, device=eigenvalues.device), dtype)[None, :]
+    usable = index >= (m - r)[:, None]
+    lam = xp.clip(eigenvalues, min=0) / q[:, None]
+    signal = usable & (lam > edge[:, None])
+    return xp.astype(xp.sum(xp.astype(signal, xp.int64), axis=1), xp.int64)
 
 
 def _counts_beside(xp, counts, eigenvalues):
