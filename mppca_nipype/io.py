@@ -124,6 +124,19 @@ def load_mask(path, spatial_shape):
     return data != 0
 
 
+def load_noise_map(path, spatial_shape):
+    """Read a map of the noise level (sigma) on the input's voxel grid, float64; a trailing axis of length 1 is
+    allowed. Its shape is checked from the header, before its values are read."""
+    image = load_image(path, "noise level")
+    shape = tuple(image.shape)
+    if len(shape) == 4 and shape[3] == 1:
+        shape = shape[:3]
+    if shape != tuple(spatial_shape):
+        raise MPPCAInputError(f"the noise level file {path} has shape {tuple(image.shape)}, but the input's "
+                              f"voxel grid is {tuple(spatial_shape)}")
+    return read_data(image, path, "noise level", dtype=np.float64).reshape(shape)
+
+
 def check_writable(path, what="output"):
     """Fail now, with one sentence, if ``path`` cannot be written (before any long computation)."""
     path = Path(path)

@@ -163,6 +163,28 @@ def test_mask_limits_the_denoised_voxels(tmp_path, series_path, noisy):
     assert not written[mask == 0].any()
 
 
+@pytest.mark.parametrize("given", ["number", "map", "map with a trailing axis"])
+def test_a_given_noise_level_decides_the_rank_and_fills_the_noise_map(tmp_path, series_path, noisy, given):
+    if given == "number":
+        noise_in, noise = "5", 5.0
+    else:
+        noise = np.random.default_rng(4).uniform(4.0, 6.0, size=SHAPE)
+        stored = noise if given == "map" else noise[..., None]
+        noise_in = save(stored, tmp_path / "sigma.nii.gz")
+        noise = nib.load(noise_in).get_fdata()[..., 0] if given != "map" else nib.load(noise_in).get_fdata()
+    out, noise_out = tmp_path / "out.nii.gz", tmp_path / "noise.nii.gz"
+    result = run_cli(series_path, out, "--noise-in", noise_in, "--noise", noise_out, "--nprocs", "1")
+    assert result.returncode == 0, result.stderr
+    want = denoise(noisy, noise=noise, device="cpu", nprocs=1)
+    np.testing.assert_array_equal(np.asarray(nib.load(out).dataobj), want.denoised)
+    written = np.asarray(nib.load(noise_out).dataobj)
+    np.testing.assert_array_equal(written, want.sigma)
+    if given == "number":
+        np.testing.assert_allclose(written, 5.0, rtol=1e-6)
+    else:  # patch means of the map's sigma^2: inside its range, and not the estimate
+        assert np.all((written >= 4.0) & (written <= 6.0))
+
+
 def test_scaled_int16_input_gives_the_result_of_its_float_values(tmp_path, noisy):
     scaled = tmp_path / "scaled.nii.gz"
     save(noisy, scaled, dtype=np.int16)  # nibabel picks scl_slope/scl_inter to fit int16
@@ -284,6 +306,18 @@ def _mask_of_another_shape(tmp_path, noisy):
     return [save(noisy, tmp_path / "dwi.nii.gz"), tmp_path / "out.nii.gz", "--mask", mask]
 
 
+def _noise_map_of_another_shape(tmp_path, noisy):
+    sigma = save(np.full((9, 8, 6), 5.0), tmp_path / "sigma.nii.gz")
+    return [save(noisy, tmp_path / "dwi.nii.gz"), tmp_path / "out.nii.gz", "--noise-in", sigma]
+
+
+def _noise_map_with_a_zero(tmp_path, noisy):
+    values = np.full(SHAPE, 5.0)
+    values[1, 2, 3] = 0
+    sigma = save(values, tmp_path / "sigma.nii.gz")
+    return [save(noisy, tmp_path / "dwi.nii.gz"), tmp_path / "out.nii.gz", "--noise-in", sigma]
+
+
 def _with(*options, output="out.nii.gz"):
     def case(tmp_path, noisy):
         return [save(noisy, tmp_path / "dwi.nii.gz"), tmp_path / output,
@@ -312,6 +346,14 @@ BAD_INPUTS = {
     "rank map in a missing folder": (_with("--rank", "TMP/absent/rank.nii.gz"), 1, "does not exist"),
     "output over the input": (_with(output="dwi.nii.gz"), 2, "would overwrite the input"),
     "noise map over the output": (_with("--noise", "TMP/out.nii.gz"), 2, "also given as another output"),
+    "negative noise level": (_with("--noise-in", "-2"), 2, "--noise-in: must be a positive number"),
+    "zero noise level": (_with("--noise-in", "0"), 2, "--noise-in: must be a positive number"),
+    "noise level as text": (_with("--noise-in", "five"), 1, "--noise-in five is neither a positive number"),
+    "missing noise level file": (_with("--noise-in", "TMP/absent.nii.gz"), 1, "nor an existing file"),
+    "noise level map of another grid": (_noise_map_of_another_shape, 1, "has shape (9, 8, 6)"),
+    "noise level map with a zero": (_noise_map_with_a_zero, 1, "not a positive finite number at 1 voxels"),
+    "noise level on cuda": (_with("--noise-in", "5", "--device", "cuda"), 1,
+                            "does not take a given noise level yet"),
 }
 
 
@@ -357,7 +399,8 @@ def test_options_and_outputs_are_checked_before_the_data_are_read(tmp_path, nois
     mask = save(np.ones((9, 8, 6), np.uint8), tmp_path / "mask.nii.gz", dtype=np.uint8)
     for extra, phrase in ((["--mask", mask], "the mask"),
                           (["--rank", tmp_path / "absent" / "rank.nii"], "does not exist"),
-                          (["--aggregation", "center"], "needs stride 1")):
+                          (["--aggregation", "center"], "needs stride 1"),
+                          (["--noise-in", "absent.nii"], "nor an existing file")):
         lines = stderr_lines(run_cli(*args, *extra, "--nprocs", "1"))
         assert len(lines) == 1 and phrase in lines[0]
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+import dataclasses
+import math
 import os
 from pathlib import Path
 import time
@@ -22,7 +24,7 @@ import numpy as np
 
 from .. import io
 from ..engine import (DEVICES, MIN_VOLUMES, MPPCAInputError, MPPCAWarning, check_device, choose_device, denoise,
-                      resolve_options)
+                      resolve_noise, resolve_options)
 from ..phases import Phases, process_age
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_version_option,
                      leave_now_after_the_gpu, positive_int, say, user_errors, warnings_as_lines)
@@ -68,10 +70,16 @@ def build_parser() -> ArgumentParser:
                         help="3D NIfTI on IN's voxel grid: denoise only its non-zero voxels (outputs are 0 "
                              "outside; patches may still read voxels outside it)")
     parser.add_argument("--noise", metavar="FILE",
-                        help="also write the 3D map of the estimated noise level (standard deviation)")
+                        help="also write the 3D map of the noise level (standard deviation): estimated, or the "
+                             "one given by --noise-in")
     parser.add_argument("--rank", metavar="FILE",
                         help="also write the 3D map of the number of signal components kept")
     add_denoising_options(parser)
+    parser.add_argument("--noise-in", type=noise_level, metavar="FILE|NUMBER",
+                        help="a given noise level (standard deviation) instead of each patch's estimate: one "
+                             "positive number, or a 3D NIfTI map on IN's voxel grid (positive inside the "
+                             "mask); a patch keeps the components above the Marchenko-Pastur edge "
+                             "sigma^2 (1 + sqrt(gamma))^2 (docs/options.md); runs on the CPU")
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="auto: a CUDA GPU where the GPU engine is installed and usable and would "
                              "finish first, its start included, else the CPU (where the GPU may win and be "
@@ -95,6 +103,17 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def noise_level(text: str):
+    """``--noise-in``: a positive number (float), or else the name of a file (str), checked in ``_checked``."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number or a 3D NIfTI file, not {text!r}")
+    return value
+
+
 def volume_counts(text: str) -> tuple[int, ...]:
     """``T[,T...]``: numbers of volumes, each at least ``MIN_VOLUMES``."""
     try:
@@ -112,7 +131,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.warm_up is not None:
         given = [name for name, value in (("IN", args.input), ("OUT", args.output), ("--mask", args.mask),
-                                          ("--noise", args.noise), ("--rank", args.rank)) if value is not None]
+                                          ("--noise", args.noise), ("--rank", args.rank),
+                                          ("--noise-in", args.noise_in)) if value is not None]
         if given:
             parser.error(f"--warm-up denoises generated series and takes no files ({', '.join(given)})")
     elif args.input is None or args.output is None:
@@ -176,6 +196,9 @@ def _checked(args, parser):
         parser.error(str(err))
     # raises MPPCAInputError, with the reason, when 'cuda' cannot be used; 'auto' probes the GPU only where
     # it would finish first (a small series never waits for torch to be imported)
+    if args.noise_in is not None:  # a map is small: read now, so that its values are checked before the series'
+        options["noise"] = _given_noise(args.noise_in, shape, mask)
+        resolved = dataclasses.replace(resolved, noise_variance=resolve_noise(options["noise"], shape[:3], mask))
     choose_device(args.device, shape, resolved, args.nprocs)
 
     # the destinations: distinct, not an input, writable (proved by creating their temporary files)
@@ -186,11 +209,26 @@ def _checked(args, parser):
                 parser.error(f"the {what} {path} is also given as another output")
             outputs[path] = what
     for path, what in outputs.items():
-        for source in (args.input, args.mask):
+        for source in (args.input, args.mask, args.noise_in if isinstance(args.noise_in, str) else None):
             if source is not None and _same_file(path, source):
                 parser.error(f"the {what} {path} would overwrite the input {source}")
         io.check_writable(path, what)
     return image, mask, options, outputs
+
+
+def _given_noise(noise_in, shape, mask):
+    """``--noise-in``'s number, or its map read from the file (one sentence when it cannot be used)."""
+    if not isinstance(noise_in, str):
+        return noise_in
+    if not os.path.exists(noise_in):
+        raise MPPCAInputError(f"--noise-in {noise_in} is neither a positive number nor an existing file (it "
+                              "takes a number or a 3D NIfTI on IN's voxel grid)")
+    sigma = io.load_noise_map(noise_in, shape[:3])
+    try:
+        resolve_noise(sigma, shape[:3], mask)
+    except MPPCAInputError as err:
+        raise MPPCAInputError(f"--noise-in {noise_in}: {err}") from None
+    return sigma
 
 
 def warm_up(args, parser) -> None:
