@@ -111,6 +111,9 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs):
     from .engine import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, check_device, denoise
 
     notes, placement = [], {"GPUAsked": bool(use_gpu), "GPUSlot": None, "CPUFallback": None}
+    if use_gpu and parameters.get("noise") is not None:
+        placement["CPUFallback"] = "the GPU engine does not take a given noise level yet"
+        use_gpu = False
 
     def run(device):
         with warnings.catch_warnings(record=True) as caught:
@@ -168,6 +171,10 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
     demean = traits.Enum(*default_first("demean", DEMEANING), usedefault=True,
                          desc="mean removed inside a patch before PCA: 'volume' the patch's mean time course, "
                               "'voxel' each voxel's temporal mean, 'none' nothing (dwidenoise)")
+    noise_in = traits.Either(
+        traits.Float, File(exists=True),
+        desc="a given noise level (standard deviation) instead of each patch's MP-PCA estimate: one positive "
+             "number, or a 3D map on the input's grid (positive inside the mask); runs on the CPU")
     use_gpu = traits.Bool(gpu_probably_usable(), usedefault=True,
                           desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
                                "GPU slot for the node. Default: true when a GPU is usable here")
@@ -194,7 +201,7 @@ class MPPCADenoise(SimpleInterface):
 
     def _run_interface(self, runtime):
         from . import io
-        from .bids import collect_provenance
+        from .bids import collect_provenance, sha256_file
         from .engine import available_cpus
         from .phases import Phases
 
@@ -208,6 +215,14 @@ class MPPCADenoise(SimpleInterface):
         parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride,
                           estimator=self.inputs.estimator, aggregation=self.inputs.aggregation,
                           demean=self.inputs.demean)
+        noise_source = {}  # where a given noise level came from: the number, or the file's name and checksum
+        if isdefined(self.inputs.noise_in):
+            if isinstance(self.inputs.noise_in, str):
+                parameters["noise"] = io.load_noise_map(self.inputs.noise_in, data.shape[:3])
+                noise_source = dict(noise_in=Path(self.inputs.noise_in).name)
+            else:
+                parameters["noise"] = float(self.inputs.noise_in)
+                noise_source = dict(noise_in=parameters["noise"])
         # never more workers than this process may use (its affinity, SLURM_CPUS_PER_TASK)
         nprocs = max(1, min(self.inputs.num_threads, available_cpus()))
         with phases("denoise"):
@@ -228,10 +243,12 @@ class MPPCADenoise(SimpleInterface):
         provenance = collect_provenance(
             result, self.inputs.in_file,
             mask_file=self.inputs.mask if isdefined(self.inputs.mask) else None,
-            mask=mask, parameters=dict(parameters, use_gpu=bool(self.inputs.use_gpu),
-                                       num_threads=self.inputs.num_threads),
+            mask=mask, parameters=dict({k: v for k, v in parameters.items() if k != "noise"}, **noise_source,
+                                       use_gpu=bool(self.inputs.use_gpu), num_threads=self.inputs.num_threads),
             wall_seconds=time.perf_counter() - start, warnings=notes, timings=phases.as_dict())
         provenance.update(placement)
+        if isdefined(self.inputs.noise_in) and isinstance(self.inputs.noise_in, str):
+            provenance["NoiseInSHA256"] = sha256_file(self.inputs.noise_in)
         provenance_file = str(Path(runtime.cwd) / "provenance.json")
         io.write_json_atomic(provenance_file, provenance)
         self._results.update(out_file=out_file, noise_file=noise_file, rank_file=rank_file,

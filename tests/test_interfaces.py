@@ -200,3 +200,38 @@ def test_workflow_methods_text_cites_both_papers():
     assert "Marchenko-Pastur" in workflow.__desc__ and "centred on every voxel" in workflow.__desc__
     assert "Veraart" in workflow.__postdesc__ and "Cordero-Grande" in workflow.__postdesc__
     assert "10.1016/j.neuroimage.2016.08.016" in workflow.__postdesc__
+
+
+@pytest.mark.parametrize("given", ["number", "file"])
+def test_a_given_noise_level_is_used_and_its_source_recorded(series, tmp_path, given):
+    image = nib.load(series)
+    if given == "number":
+        noise_in, noise = SIGMA, SIGMA
+    else:
+        noise = np.random.default_rng(5).uniform(15.0, 25.0, size=SHAPE)
+        noise_in = tmp_path / "sigma.nii.gz"
+        nib.save(nib.Nifti1Image(noise, image.affine), noise_in)
+        noise_in = str(noise_in)
+    # use_gpu: the GPU engine does not take a given noise level yet, so the node runs on the CPU and says why
+    result = run_in(tmp_path / "node", MPPCADenoise(in_file=str(series), noise_in=noise_in, use_gpu=True))
+    expected = denoise(image.get_fdata(dtype=np.float32), noise=noise, device="cpu", nprocs=1)
+    np.testing.assert_allclose(nib.load(result.outputs.out_file).get_fdata(), expected.denoised, rtol=0, atol=1e-3)
+    written = nib.load(result.outputs.noise_file).get_fdata()
+    np.testing.assert_allclose(written, expected.sigma, rtol=1e-6)
+    provenance = read_json(result.outputs.provenance_file)
+    assert provenance["Backend"] == "cpu" and provenance["EngineInfo"]["noise"] == "given"
+    assert provenance["CPUFallback"] == "the GPU engine does not take a given noise level yet"
+    if given == "number":
+        assert provenance["Parameters"]["noise_in"] == SIGMA
+        np.testing.assert_allclose(written, SIGMA, rtol=1e-6)
+        assert "NoiseInSHA256" not in provenance
+    else:
+        assert provenance["Parameters"]["noise_in"] == "sigma.nii.gz"
+        assert provenance["NoiseInSHA256"] == hashlib.sha256(Path(noise_in).read_bytes()).hexdigest()
+        assert np.all((written >= 15.0) & (written <= 25.0))
+
+
+def test_without_a_given_noise_level_the_provenance_says_estimated(series, tmp_path):
+    result = run_in(tmp_path / "node", MPPCADenoise(in_file=str(series), use_gpu=False))
+    provenance = read_json(result.outputs.provenance_file)
+    assert "noise_in" not in provenance["Parameters"] and provenance["EngineInfo"]["noise"] == "estimated"
