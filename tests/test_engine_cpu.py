@@ -140,12 +140,15 @@ def test_nonfinite_voxels_are_left_out_and_never_spread(case, aggregation, demea
     assert np.all(np.isfinite(result.sigma)) and np.all(np.isfinite(result.rank))
 
 
+@pytest.mark.parametrize("given_noise", [False, True], ids=["estimated", "given noise map"])
 @pytest.mark.parametrize("aggregation, stride", [("center", 1), ("weighted", 2)])
-def test_two_processes_give_bit_identical_results(aggregation, stride):
+def test_two_processes_give_bit_identical_results(aggregation, stride, given_noise):
     data, _, _ = case_data("time-side", seed=5)
     data[2, 2, 2, 3] = np.nan
     options = dict(extent=3, stride=stride, aggregation=aggregation, demean="voxel", estimator="exp2",
                    device="cpu")
+    if given_noise:
+        options["noise"] = np.random.default_rng(26).uniform(0.5, 1.5, data.shape[:3]) * np.nanstd(data)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MPPCAWarning)
         one = denoise(data, nprocs=1, **options)

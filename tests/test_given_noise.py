@@ -126,21 +126,6 @@ def test_a_constant_map_gives_the_number_s_result():
     np.testing.assert_allclose(number.sigma, constant.sigma, rtol=1e-7)
 
 
-@pytest.mark.parametrize("aggregation, stride", [("center", 1), ("weighted", 2)])
-def test_two_processes_give_bit_identical_results(aggregation, stride):
-    data, _, _ = case_data("time-side", seed=25)
-    data[2, 2, 2, 3] = np.nan
-    options = dict(extent=3, stride=stride, aggregation=aggregation, demean="voxel", device="cpu",
-                   noise=noise_map(data.shape[:3], 26))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", MPPCAWarning)
-        one = denoise(data, nprocs=1, **options)
-        two = denoise(data, nprocs=2, **options)
-    assert two.info["nprocs"] == 2
-    assert np.array_equal(one.denoised, two.denoised, equal_nan=True)
-    assert np.array_equal(one.sigma, two.sigma) and np.array_equal(one.rank, two.rank)
-
-
 @pytest.mark.parametrize("options", [dict(), dict(extent="auto", stride=1, aggregation="center", demean="none")],
                          ids=["defaults", "dwidenoise"])
 def test_the_true_sigma_on_a_phantom_keeps_the_estimated_rank(options):
