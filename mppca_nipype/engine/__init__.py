@@ -262,7 +262,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     result.info.update(sums.info)
     result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
                             aggregation=options.aggregation, demean=options.demean,
-                            noise="given" if options.noise_given else "estimated", n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
+                            noise="given" if options.noise_given else "estimated",
+                            n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
                             n_nonfinite_voxels=n_nonfinite, seconds=seconds))
     if choice:
         result.info["device_choice"] = choice
