@@ -16,9 +16,9 @@ the CPUs this process may use, memory; the GPUs and their driver and CUDA versio
 the load average at the start and the end (the end includes the benchmark's own work: a quiet machine
 reads near 0 at the start), the versions of the libraries that are installed, and the exact command line.
 
-torch is never imported into the calling process (the CPU engine picks its eigensolver by whether torch is
-already loaded, so importing it would change what is measured): a short-lived interpreter asks torch about
-the GPUs, unless the caller has already initialised CUDA.
+torch is never imported into the calling process (it takes seconds and brings its own BLAS and OpenMP
+runtimes, which would change what a CPU run measures): a short-lived interpreter asks torch about the GPUs,
+unless the caller has already initialised CUDA.
 """
 
 from __future__ import annotations

@@ -101,6 +101,18 @@ def test_anisotropic_slab_extent_with_stride_one(aggregation):
                              estimator="exp2")
 
 
+@pytest.mark.parametrize("aggregation, demean, stride", [("center", "none", 1), ("weighted", "none", 2),
+                                                         ("weighted", "volume", 1)])
+def test_windows_of_zeros_match_the_reference(aggregation, demean, stride):
+    """A background of exact zeros (no mask): windows whose Gram matrix is 0 keep everything, as the
+    reference does, and nothing non-finite appears."""
+    data, _, _ = case_data("time-side", seed=6)
+    data[:4] = 0
+    result, _ = assert_matches_reference(data, extent=3, stride=stride, aggregation=aggregation, demean=demean,
+                                         estimator="exp2")
+    assert np.all(np.isfinite(result.denoised)) and np.all(result.denoised[:2] == 0)  # planes only zeros cover
+
+
 def test_outputs_are_zero_outside_the_mask():
     data, mask, _ = case_data("mask", seed=3)
     for aggregation, stride in [("center", 1), ("weighted", 2)]:

@@ -1,8 +1,8 @@
-"""The CPU backend: NumPy/OpenBLAS, batched over patches, spread over worker processes.
+"""The CPU backend: NumPy/OpenBLAS and LAPACK, batched over patches, spread over worker processes.
 
 Work is cut into *units*: all active windows whose corner lies on one x position. A unit reads a slab of
-``extent[0]`` x-planes, runs its windows in stacked batches (batched gather, batched Gram, batched eigh,
-batched projection) and returns its contribution to that slab. The parent adds the contributions in unit
+``extent[0]`` x-planes, runs its windows in stacked batches (batched gather, batched Gram, every eigenvalue
+and the kept eigenvectors only (``lapack``), batched projection) and returns its contribution to that slab. The parent adds the contributions in unit
 order, so the result does not depend on how many processes ran the units: it is bit-identical for any
 ``nprocs``.
 
@@ -17,10 +17,8 @@ from __future__ import annotations
 import ast
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-import importlib.util
 import multiprocessing
 from multiprocessing import shared_memory
-import os
 from pathlib import Path
 import signal
 import sys
@@ -30,6 +28,7 @@ import warnings
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from . import lapack
 from .backend import PatchSums, available_cpus
 from .errors import MPPCAWarning
 from .estimators import (aggregation_weights, given_noise_threshold, marchenko_pastur_threshold,
@@ -38,39 +37,6 @@ from .layout import is_volume_major, rows_of_planes
 
 #: Memory one batch may use for its patch matrices (float64), per process.
 BATCH_BYTES = 48 * 2**20
-
-#: Importing torch costs 1.5-3 s; its eigensolver saves about 230 us per 48 x 48 matrix (less for smaller,
-#: more for larger: ~m^3). Below this much work (windows x m^3), NumPy's is faster overall.
-TORCH_EIGH_MIN_WORK = 20_000 * 48**3
-
-
-def eigh_provider(n_windows: int, matrix_size: int) -> str:
-    """Which LAPACK runs the batched eigensolver: "torch" (its bundled MKL) or "numpy" (OpenBLAS).
-
-    Both compute the same float64 decomposition; MKL's dsyevd is about twice as fast as OpenBLAS's on the
-    48 x 48 matrices of a typical DWI patch (215 vs 445 us each, measured on this project's CI machine),
-    which decides whether dwidenoise's mode keeps pace with dwidenoise itself. torch is used when it is
-    already imported, or installed and the run is large enough to pay for importing it.
-    ``MPPCA_CPU_EIGH=numpy`` (or ``torch``) forces the choice.
-    """
-    forced = os.environ.get("MPPCA_CPU_EIGH", "")
-    if forced in ("numpy", "torch"):
-        return forced
-    if "torch" in sys.modules:
-        return "torch"
-    if n_windows * matrix_size**3 >= TORCH_EIGH_MIN_WORK and importlib.util.find_spec("torch") is not None:
-        return "torch"
-    return "numpy"
-
-
-def batched_eigh(gram, provider: str):
-    """Eigenvalues (ascending) and eigenvectors (columns) of a stack of symmetric matrices, in float64."""
-    if provider == "torch":
-        import torch
-
-        eigenvalues, eigenvectors = torch.linalg.eigh(torch.from_numpy(gram))
-        return eigenvalues.numpy(), eigenvectors.numpy()
-    return np.linalg.eigh(gram)
 
 
 @dataclass
@@ -92,9 +58,10 @@ def work_units(plan) -> list[Unit]:
 
 
 def batch_size(n_voxels: int, n_volumes: int) -> int:
-    """Windows per batch: patch matrix, Gram, eigenvectors, projector and reconstruction within BATCH_BYTES."""
+    """Windows per batch: patch matrix, Gram, its tridiagonal form, eigenvectors, projector and reconstruction
+    within BATCH_BYTES."""
     m = min(n_voxels, n_volumes)
-    per_window = 8 * (3 * n_voxels * n_volumes + 3 * m * m)
+    per_window = 8 * (3 * n_voxels * n_volumes + 4 * m * m)
     return int(max(1, min(4096, BATCH_BYTES // per_window)))
 
 
@@ -103,9 +70,10 @@ class WindowFit:
     """MP-PCA of a batch of windows: what the aggregation needs.
 
     ``patches`` (B, n, T) float64, centred when demeaning (``means``: (B, n, 1) per voxel or (B, 1, T) per
-    volume, else None); ``eigenvectors``
-    (B, m, m) of the Gram on the smaller side (``time_side``: m = T, else m = n), ascending; ``rank`` and
-    ``sigma2`` (B,); ``voxels`` (B, n) flat indices and ``took_part`` (B, n) (finite voxels).
+    volume, else None); ``eigenvectors`` (B, m, m) of the Gram on the smaller side (``time_side``: m = T,
+    else m = n), ascending, of which only each window's ``rank`` leading ones (its last columns) are
+    computed (``lapack.leading_eigenvectors``; the others are 0); ``rank`` and ``sigma2`` (B,); ``voxels``
+    (B, n) flat indices and ``took_part`` (B, n) (finite voxels).
     """
 
     patches: np.ndarray
@@ -151,8 +119,9 @@ class WindowFit:
         return restored
 
 
-def fit_windows(volume, finite, plan, options, windows: slice, eigh: str = "numpy") -> WindowFit:
-    """Gather the windows ``windows`` of the plan from the volume and run MP-PCA on each."""
+def fit_windows(volume, finite, plan, options, windows) -> WindowFit:
+    """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and run MP-PCA on
+    each: Gram matrix, all its eigenvalues, the threshold, then the kept eigenvectors (``lapack``)."""
     base = plan.window_base(windows)
     voxels = base[:, None] + plan.voxel_offsets[None, :]
     patches = volume[voxels].astype(np.float64)  # (B, n, T); left-out voxels are rows of zeros
@@ -176,12 +145,13 @@ def fit_windows(volume, finite, plan, options, windows: slice, eigh: str = "nump
         gram = np.matmul(patches.transpose(0, 2, 1), patches)
     else:
         gram = np.matmul(patches, patches.transpose(0, 2, 1))
-    eigenvalues, eigenvectors = batched_eigh(gram, eigh)
+    forms = lapack.eigenvalues(gram)
     if options.noise_given:
         sigma2 = given_noise_variance(options.noise_variance, voxels, took_part)
-        rank = given_noise_threshold(eigenvalues, n_voxels, n_volumes, sigma2)
+        rank = given_noise_threshold(forms.eigenvalues, n_voxels, n_volumes, sigma2)
     else:
-        rank, sigma2 = marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, options.estimator)
+        rank, sigma2 = marchenko_pastur_threshold(forms.eigenvalues, n_voxels, n_volumes, options.estimator)
+    eigenvectors = lapack.leading_eigenvectors(forms, rank)
     return WindowFit(patches, means, eigenvectors, time_side, rank, sigma2, voxels, took_part)
 
 
@@ -196,7 +166,7 @@ def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
     return np.where(counted, values, 0.0).sum(axis=1) / np.maximum(counted.sum(axis=1), 1)
 
 
-def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):
+def run_unit(volume, finite, plan, options, unit: Unit):
     """Denoise one unit; return its contribution (see ``denoise_cpu`` for the two shapes)."""
     step = batch_size(plan.patch_size, volume.shape[1])
     n_volumes = volume.shape[1]
@@ -208,7 +178,7 @@ def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
             a, b = np.searchsorted(plan.centre_window, [start, stop])
-            fit = fit_windows(volume, finite, plan, options, slice(start, stop), eigh)
+            fit = fit_windows(volume, finite, plan, options, slice(start, stop))
             window = plan.centre_window[a:b] - start
             rows[a - first:b - first] = fit.reconstruct_rows(window, plan.centre_position[a:b])
             sigma[a - first:b - first] = np.sqrt(fit.sigma2[window])
@@ -226,7 +196,7 @@ def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):
     rank = np.zeros(slab_voxels)
     for start in range(unit.start, unit.stop, step):
         stop = min(start + step, unit.stop)
-        fit = fit_windows(volume, finite, plan, options, slice(start, stop), eigh)
+        fit = fit_windows(volume, finite, plan, options, slice(start, stop))
         restored = fit.reconstruct()
         w = aggregation_weights(fit.rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
         voxel_weight = w[:, None] * fit.took_part  # (B, n): left-out voxels receive nothing
@@ -247,24 +217,12 @@ def run_unit(volume, finite, plan, options, unit: Unit, eigh: str = "numpy"):
 _WORKER = {}
 
 
-def _one_thread(eigh: str):
-    """Limit BLAS/OpenMP (and torch, when it provides the eigensolver) to one thread; returns an undo."""
-    limits = threadpool_limits(limits=1)
-    if eigh != "torch":
-        return limits.restore_original_limits
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-
-    def undo():
-        torch.set_num_threads(before)
-        limits.restore_original_limits()
-
-    return undo
+def _one_thread():
+    """Limit BLAS/OpenMP (NumPy's and SciPy's LAPACK) to one thread; returns an undo."""
+    return threadpool_limits(limits=1).restore_original_limits
 
 
-def _attach(volume_name, volume_shape, finite_name, plan, options, eigh):
+def _attach(volume_name, volume_shape, finite_name, plan, options):
     """Worker initializer: map the shared input, limit BLAS to one thread. Ctrl-C is the parent's to handle:
     workers ignore SIGINT, so an interrupt prints one message, not a traceback per worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -273,14 +231,14 @@ def _attach(volume_name, volume_shape, finite_name, plan, options, eigh):
     _WORKER.update(
         volume=np.ndarray(volume_shape, dtype=np.float32, buffer=volume_shm.buf),
         finite=np.ndarray(volume_shape[:1], dtype=bool, buffer=finite_shm.buf),
-        plan=plan, options=options, eigh=eigh, handles=(volume_shm, finite_shm),
+        plan=plan, options=options, handles=(volume_shm, finite_shm),
     )
-    _one_thread(eigh)
+    _one_thread()
 
 
 def _run_unit_in_worker(unit):
     w = _WORKER
-    return run_unit(w["volume"], w["finite"], w["plan"], w["options"], unit, w["eigh"])
+    return run_unit(w["volume"], w["finite"], w["plan"], w["options"], unit)
 
 
 def _shared_memory(nbytes):
@@ -373,7 +331,6 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     context = _process_context(nprocs)
     if context is None:
         nprocs = 1
-    eigh = eigh_provider(plan.n_windows, min(plan.patch_size, n_volumes))
 
     center = options.aggregation == "center"
     image = np.zeros((n_voxels, n_volumes), dtype=np.float32)
@@ -398,10 +355,10 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
 
     if nprocs == 1:
         volume = _voxel_major(data, np.empty)
-        undo = _one_thread(eigh)
+        undo = _one_thread()
         try:
             for done, unit in enumerate(units, 1):
-                add(run_unit(volume, finite_flat, plan, options, unit, eigh))
+                add(run_unit(volume, finite_flat, plan, options, unit))
                 if progress:
                     progress(done, len(units))
         finally:
@@ -413,7 +370,7 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
             _voxel_major(data, lambda shape, dtype: np.ndarray(shape, dtype, buffer=volume_shm.buf))
             with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
                                      initargs=(volume_shm.name, (n_voxels, n_volumes), finite_shm.name,
-                                               plan, options, eigh)) as pool:
+                                               plan, options)) as pool:
                 for done, result in enumerate(pool.map(_run_unit_in_worker, units), 1):
                     add(result)
                     if progress:
@@ -425,5 +382,5 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
                     shm.unlink()
 
     return PatchSums(image, weight, sigma, rank,
-                     info=dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver=f"{eigh} LAPACK",
+                     info=dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver="LAPACK dsytrd/dsterf/dstein",
                                seconds_engine=time.perf_counter() - started))
