@@ -203,17 +203,19 @@ def run_ours(phantom: Phantom, threads: int, **options):
 
 
 class NiftiPhantom:
-    """A phantom written once as uncompressed NIfTI in a temporary folder, for the methods run on files.
+    """A phantom written once as NIfTI in a temporary folder, for the methods run on files: uncompressed, or
+    with ``suffix=".nii.gz"`` compressed (the methods then write compressed outputs too).
 
-    ``path(name)`` names a file there; ``read(name)`` loads the denoised series ``name.nii`` and the noise map
-    ``name_noise.nii`` that a method wrote. A context manager: the folder goes on exit.
+    ``path(name)`` names a file there; ``read(name)`` loads the denoised series ``name`` + suffix and the noise
+    map ``name_noise`` + suffix that a method wrote. A context manager: the folder goes on exit.
     """
 
-    def __init__(self, phantom: Phantom):
+    def __init__(self, phantom: Phantom, suffix: str = ".nii"):
         import nibabel as nib
 
         self.folder = Path(tempfile.mkdtemp(prefix="mppca-bench-"))
-        self.input = self.folder / "noisy.nii"
+        self.suffix = suffix
+        self.input = self.folder / f"noisy{suffix}"
         nib.save(nib.Nifti1Image(np.asarray(phantom.noisy, dtype=np.float32), np.eye(4)), self.input)
 
     def path(self, name: str) -> Path:
@@ -224,7 +226,7 @@ class NiftiPhantom:
         import nibabel as nib
 
         return tuple(np.asarray(nib.load(self.path(f)).get_fdata(dtype=np.float32))
-                     for f in (f"{name}.nii", f"{name}_noise.nii"))
+                     for f in (f"{name}{self.suffix}", f"{name}_noise{self.suffix}"))
 
     def close(self):
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -261,8 +263,8 @@ def ours_env() -> dict:
 def ours_command(files: NiftiPhantom, threads: int, name: str = "ours", **options) -> list[str]:
     """``mppca-denoise IN name.nii --noise name_noise.nii --device cpu --nprocs N --quiet [options]``."""
     flags = [item for key, value in options.items() for item in (f"--{key}", str(value))]
-    return [*ours_program(), str(files.input), str(files.path(f"{name}.nii")), "--noise",
-            str(files.path(f"{name}_noise.nii")), "--device", "cpu", "--nprocs", str(threads), "--quiet",
+    return [*ours_program(), str(files.input), str(files.path(f"{name}{files.suffix}")), "--noise",
+            str(files.path(f"{name}_noise{files.suffix}")), "--device", "cpu", "--nprocs", str(threads), "--quiet",
             *flags]
 
 
@@ -290,8 +292,9 @@ class Dwidenoise:
         self.env = dict(os.environ, OMP_NUM_THREADS=str(threads), MRTRIX_QUIET="1")
 
     def command(self, datatype=None, estimator=None, extent=None) -> list[str]:
-        cmd = [self.exe, str(self.files.input), str(self.files.path(f"{self.name}.nii")), "-noise",
-               str(self.files.path(f"{self.name}_noise.nii")), "-nthreads", str(self.threads), "-force",
+        suffix = self.files.suffix
+        cmd = [self.exe, str(self.files.input), str(self.files.path(f"{self.name}{suffix}")), "-noise",
+               str(self.files.path(f"{self.name}_noise{suffix}")), "-nthreads", str(self.threads), "-force",
                "-quiet"]
         if datatype:
             cmd += ["-datatype", datatype]
@@ -315,7 +318,7 @@ class Dwidenoise:
         exe = shutil.which("mrconvert")
         if exe is None:
             return None
-        cmd = [exe, str(self.files.input), str(self.files.path("copy.nii")), "-nthreads", str(self.threads),
+        cmd = [exe, str(self.files.input), str(self.files.path(f"copy{self.files.suffix}")), "-nthreads", str(self.threads),
                "-force", "-quiet"]
         best = float("inf")
         for _ in range(3):
@@ -403,7 +406,7 @@ def bench_phantom(phantom: Phantom, args) -> dict:
         rows.append(row)
 
     io_seconds = None
-    with NiftiPhantom(phantom) as files:
+    with NiftiPhantom(phantom, ".nii.gz" if args.compressed else ".nii") as files:
         try:
             dwi = Dwidenoise(files, threads)
         except RuntimeError as err:
@@ -561,12 +564,15 @@ def main(argv=None):
                     repeats_help="timed runs per method, best kept (default 3; --quick: 1)", single_above=20.0,
                     out_name="cpu_peers.json")
     parser.add_argument("--skip-slow", action="store_true", help="leave out DIPY and patch-denoise")
+    parser.add_argument("--compressed", action="store_true",
+                        help="file to file on compressed NIfTI (.nii.gz in and out) rather than .nii")
     args = parser.parse_args(argv)
     shape, volumes, run, settings = start_run(args, parser)
     settings["skip_slow"] = args.skip_slow
+    settings["compressed"] = args.compressed
     timing = (f"wall time: {timing_note(args.repeats, args.single_above)}; engine: in this process (ours after "
-              "one warm-up call); file to file: a new process reading and writing NIfTI (ours: mppca-denoise; "
-              "dwidenoise)")
+              "one warm-up call); file to file: a new process reading and writing "
+              f"{'compressed NIfTI (.nii.gz)' if args.compressed else 'NIfTI'} (ours: mppca-denoise; dwidenoise)")
     report = dict(stamp=run, settings=settings, timing=timing,
                   ours_program=ours_program(), phantoms=[])
     warm_up_ours(args.threads)
