@@ -11,9 +11,9 @@ through SciPy, one window at a time (each call is a few microseconds of Python f
 3. ``leading_eigenvectors``: inverse iteration on T for its P largest eigenvalues (``dstein``), and Q's
    reflectors applied to those P vectors (``dormqr``).
 
-On 100 x 100 Grams of a DWI phantom (P ~ 5) that is 300 us a window against 490 for MKL's batched ``dsyevd``
-(torch) and 560 for OpenBLAS's (NumPy); at m = 48 (the defaults) 90 against 103 and 141 (docs/benchmarks.md,
-"The CPU's eigen step"). A window whose steps fail (or, for ``dstein``, whose matrix is 0) is decomposed by
+On 100 x 100 Grams of the DWI phantom's windows that is 295 us a window against 452 for MKL's batched
+``dsyevd`` (torch) and 555 for OpenBLAS's (NumPy); at m = 48 (the defaults) 90 against 107 and 147
+(docs/benchmarks.md, "The CPU's eigen step"). A window whose steps fail (or, for ``dstein``, whose matrix is 0) is decomposed by
 ``numpy.linalg.eigh`` instead.
 """
 
