@@ -36,9 +36,10 @@ GPU_RESTART_SECONDS = 0.05
 #: the defaults: ~3 s against an estimated 520 core-seconds; the seed's problem: 0.01 s against ~10).
 GPU_SECONDS_PER_CORE_SECOND = 0.01
 #: One CPU core's seconds per multiply-add of a window's Gram and projection (n x T x m, m the smaller side),
-#: per m^3 of its eigensolve, and per window (NumPy/OpenBLAS, one thread). Fitted to the seed's problem
-#: (T = 48) and 96x96x60x100 at the defaults; they overestimate long series (T = 300: 5x), where the GPU
-#: wins by far anyway.
+#: per m^3 of its eigensolve, and per window (one thread). Fitted to the seed's problem (T = 48) and
+#: 96x96x60x100 at the defaults with a full batched eigensolver; the CPU's LAPACK steps (``lapack``) since
+#: take 0.6x its time at m = 48 and 100, so these overestimate the CPU somewhat, and long series (T = 300)
+#: by 5x, where the GPU wins by far anyway.
 CPU_SECONDS_PER_PRODUCT = 1.9e-10
 CPU_SECONDS_PER_EIGEN = 8.5e-10
 CPU_SECONDS_PER_WINDOW = 1.0e-4
