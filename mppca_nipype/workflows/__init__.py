@@ -58,7 +58,7 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
 
 
 #: The memory model (docs/hpc.md), in GiB: what a denoising node's process holds at its peak.
-#: CPU: the interpreter with NumPy, nibabel, Nipype and torch's LAPACK (MEMORY_BASE), five copies of the
+#: CPU: the interpreter with NumPy, SciPy, nibabel and Nipype (MEMORY_BASE), five copies of the
 #: series in float32 (as read, the workers' shared copy, the weighted sums, the result, and one transient
 #: of nibabel's scaling or saving), and per worker process its batch (engine.cpu.BATCH_BYTES, twice) and
 #: its slab's sums (extent[0] planes of the series). GPU: the same base plus the CUDA context
