@@ -197,8 +197,8 @@ def _checked(args, parser):
     # raises MPPCAInputError, with the reason, when 'cuda' cannot be used; 'auto' probes the GPU only where
     # it would finish first (a small series never waits for torch to be imported)
     if args.noise_in is not None:  # a map is small: read now, so that its values are checked before the series'
-        options["noise"] = _given_noise(args.noise_in, shape, mask)
-        resolved = dataclasses.replace(resolved, noise_variance=resolve_noise(options["noise"], shape[:3], mask))
+        options["noise"], variance = _given_noise(args.noise_in, shape, mask)
+        resolved = dataclasses.replace(resolved, noise_variance=variance)
     choose_device(args.device, shape, resolved, args.nprocs)
 
     # the destinations: distinct, not an input, writable (proved by creating their temporary files)
@@ -217,18 +217,18 @@ def _checked(args, parser):
 
 
 def _given_noise(noise_in, shape, mask):
-    """``--noise-in``'s number, or its map read from the file (one sentence when it cannot be used)."""
+    """``--noise-in``'s number, or its map read from the file, and the noise variance it resolves to
+    (``resolve_noise``, checked once here; one sentence when it cannot be used)."""
     if not isinstance(noise_in, str):
-        return noise_in
+        return noise_in, resolve_noise(noise_in, shape[:3], mask)
     if not os.path.exists(noise_in):
         raise MPPCAInputError(f"--noise-in {noise_in} is neither a positive number nor an existing file (it "
                               "takes a number or a 3D NIfTI on IN's voxel grid)")
     sigma = io.load_noise_map(noise_in, shape[:3])
     try:
-        resolve_noise(sigma, shape[:3], mask)
+        return sigma, resolve_noise(sigma, shape[:3], mask)
     except MPPCAInputError as err:
         raise MPPCAInputError(f"--noise-in {noise_in}: {err}") from None
-    return sigma
 
 
 def warm_up(args, parser) -> None:
