@@ -99,7 +99,7 @@ def gpu_slot(devices=None):
     yield first, devices[first], True
 
 
-def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs):
+def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=None):
     """Run the engine on a GPU when asked and usable, else on the CPU; return (result, notes, placement).
 
     ``notes``: sentences for the provenance's warnings (the engine's, and ours when no GPU was usable or
@@ -118,7 +118,7 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs):
     def run(device):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", MPPCAWarning)
-            result = denoise(data, mask, **parameters, device=device, nprocs=nprocs)
+            result = denoise(data, mask, **parameters, device=device, nprocs=nprocs, gpu_memory=gpu_memory)
         notes.extend(str(w.message) for w in caught if issubclass(w.category, MPPCAWarning))
         return result
 
@@ -179,6 +179,9 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
                           desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
                                "GPU slot for the node. Default: true when a GPU is usable here")
     num_threads = traits.Int(1, usedefault=True, nohash=True, desc="CPU worker processes")
+    gpu_memory = traits.Either(traits.Float, traits.Str, nohash=True,
+                               desc="the most GPU memory the run may take: GiB (8, '8GiB') or a share of the "
+                                    "GPU's memory ('50%'); default: $MPPCA_GPU_MEMORY, else all the GPU can give")
 
 
 class _MPPCADenoiseOutputSpec(TraitedSpec):
@@ -226,8 +229,9 @@ class MPPCADenoise(SimpleInterface):
         # never more workers than this process may use (its affinity, SLURM_CPUS_PER_TASK)
         nprocs = max(1, min(self.inputs.num_threads, available_cpus()))
         with phases("denoise"):
-            result, notes, placement = denoise_on_device(data, mask, parameters, use_gpu=self.inputs.use_gpu,
-                                                         nprocs=nprocs)
+            result, notes, placement = denoise_on_device(
+                data, mask, parameters, use_gpu=self.inputs.use_gpu, nprocs=nprocs,
+                gpu_memory=self.inputs.gpu_memory if isdefined(self.inputs.gpu_memory) else None)
         phases.parts_of("denoise", result.info["seconds"])
         for note in notes:
             LOGGER.warning("MPPCADenoise %s: %s", Path(self.inputs.in_file).name, note)

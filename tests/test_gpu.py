@@ -518,3 +518,31 @@ def test_box_sums_match_the_cpu_on_the_seeds_geometry():
     rms = np.sqrt(np.mean((box.image - want) ** 2) / np.mean(want**2))
     print(f"box vs fused {rms:.2e}, ranks equal {np.mean(np.abs(box.rank - fused.rank) < 1e-3):.4f}")
     assert rms <= 1e-5 and np.mean(np.abs(box.rank - fused.rank) < 1e-3) >= 0.999
+
+
+@pytest.mark.parametrize("options", [dict(), dict(extent=5, stride=1, aggregation="center", demean="none")])
+def test_a_memory_budget_holds_the_run_and_gives_the_unlimited_result(options):
+    """A budget of a third of what the unlimited run takes: the run is planned in slabs and batches that fit,
+    torch's allocator holds it there (the peak of allocated memory stays under the budget), the result is the
+    unlimited run's, and the process's own limit is back as it was after."""
+    import torch
+
+    from mppca_nipype.engine import GPUOutOfMemoryError
+
+    noisy = low_rank_phantom((72, 40, 30), n_volumes=60, rank=5, sigma=5.0, seed=21)[0]
+    unlimited = denoise(noisy, device="cuda", **options)
+    held = torch.cuda.memory_allocated()  # (what earlier runs keep: graphs, tables; the budget counts it)
+    budget = (held + (unlimited.info["gpu_peak_bytes"] - held) / 3) / 2**30
+    fraction = torch.cuda.get_per_process_memory_fraction()
+    small = denoise(noisy, device="cuda", gpu_memory=budget, **options)
+    print(f"unlimited peak {unlimited.info['gpu_peak_bytes'] / 2**20:.0f} MiB ({held / 2**20:.0f} held before), "
+          f"budget {budget * 1024:.0f} MiB: peak {small.info['gpu_peak_bytes'] / 2**20:.0f} MiB, "
+          f"{small.info['n_slabs']} slabs, batch {small.info['batch']} (unlimited: {unlimited.info['batch']})")
+    assert torch.cuda.get_per_process_memory_fraction() == fraction
+    assert small.info["n_slabs"] > 1 and small.info["gpu_peak_bytes"] <= budget * 2**30
+    assert small.info["gpu_memory_budget"] == int(budget * 2**30)
+    rms = np.sqrt(np.mean((small.denoised.astype(np.float64) - unlimited.denoised) ** 2)
+                  / np.mean(unlimited.denoised.astype(np.float64) ** 2))
+    assert rms <= 1e-6 and np.mean(small.rank == unlimited.rank) >= 0.999
+    with pytest.raises(GPUOutOfMemoryError, match="too small for this series"):
+        denoise(noisy, device="cuda", gpu_memory=0.001, **options)

@@ -1036,24 +1036,122 @@ def test_pipeline_with_the_tridiagonal_eigensolver_matches_cpu_backend(kernels, 
     assert_same_denoising(cpu, gpu, mask)
 
 
-def test_slab_planes_follow_the_free_device_memory(monkeypatch):
-    """All x-planes in one slab when the series and its sums take at most a quarter of the free memory;
-    else as many planes as fit (less the halo), and at least one."""
+@interpreted
+@pytest.mark.parametrize("path, aggregation, stride", [("fused", "weighted", 2), ("gather", "center", 1)])
+def test_a_small_memory_budget_runs_in_slabs_with_the_same_result(kernels, path, aggregation, stride):
+    """A budget that holds a quarter of the series: the run is cut into slabs and batches that fit it
+    (``info`` says so) and every voxel ends with the unlimited run's values."""
+    from mppca_nipype.engine.backend import GPUMemory
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((9, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=18)
+    data, mask, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
+                                                 aggregation=aggregation, demean="volume")
+    whole = denoise_gpu(data, finite, plan, options, device="cpu", path=path)
+    budget = 100_000  # bytes; the whole series and its sums take 9 * 6 * 5 * (8 * 14 + 20) = 35,640
+    small = denoise_gpu(data, finite, plan, options, device="cpu", path=path, gpu_memory=GPUMemory(budget / 2**30))
+    assert whole.info["n_slabs"] == 1 and whole.info["gpu_memory_budget"] is None
+    assert small.info["n_slabs"] == 5 and small.info["slab_planes"] == 2
+    assert small.info["gpu_memory_budget"] == budget
+    for got, want in ((small.image, whole.image), (small.weight, whole.weight), (small.sigma, whole.sigma),
+                      (small.rank, whole.rank)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert np.abs(whole.image[whole.weight > 0]).min() > 100  # real values compared
+
+
+@interpreted
+def test_a_slab_that_runs_out_of_memory_is_redone_thinner(kernels, monkeypatch):
+    """Out of memory while a slab is set up (its sums do not fit): the run starts again in slabs of half as
+    many x-planes, until they fit, with the same result; at one plane the error goes up."""
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy, _ = low_rank_phantom((9, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=19)
+    data, mask, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2",
+                                                 aggregation="weighted", demean="volume")
+    whole = pipeline.denoise_gpu(data, finite, plan, options, device="cpu")
+    plane = 6 * 5
+    sums_class = pipeline.SlabSums
+
+    def sums_of_at_most(limit):
+        def sums(n_rows, *args, **kwargs):
+            if n_rows > limit * plane:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+            return sums_class(n_rows, *args, **kwargs)
+        return sums
+
+    monkeypatch.setattr(pipeline, "SlabSums", sums_of_at_most(4))  # slabs of 2 planes and their halo of 2
+    thinner = pipeline.denoise_gpu(data, finite, plan, options, device="cpu")
+    assert thinner.info["slab_retries"] == 2 and thinner.info["slab_planes"] == 2
+    for got, want in ((thinner.image, whole.image), (thinner.weight, whole.weight), (thinner.sigma, whole.sigma),
+                      (thinner.rank, whole.rank)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(pipeline, "SlabSums", sums_of_at_most(2))
+    with pytest.raises(torch.OutOfMemoryError):
+        pipeline.denoise_gpu(data, finite, plan, options, device="cpu")
+
+
+def _fake_device(monkeypatch, free, total=None, allocated=0, fraction=1.0):
+    """torch.cuda's memory queries as a device with ``free`` bytes free would answer them."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total or 10 * free))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
+
+
+def test_slab_planes_follow_the_device_memory(monkeypatch):
+    """All x-planes in one slab when the series and its sums take at most a quarter of what the run may take;
+    else as many planes as fit (less the halo), and at least one; a budget asked for, or torch's per-process
+    fraction, bounds it like the free memory; a budget too small for one plane's slab is refused."""
+    from mppca_nipype.engine.backend import GPUMemory
+    from mppca_nipype.engine.errors import GPUOutOfMemoryError
     from mppca_nipype.engine.gpu import plan as plan_module
 
     plan = plan_patches((40, 30, 20), (5, 5, 5), 2, np.ones((40, 30, 20), bool), np.ones((40, 30, 20), bool))
     whole = 40 * 30 * 20 * (8 * 100 + 20)  # bytes of series + sums at T = 100
+    per_plane = 30 * 20 * (12 * 100 + 24)  # a plane's series, sums and next upload
     cuda = torch.device("cuda")
-    for free, expected in ((4 * whole, 40), (2 * whole, None), (10, 1)):
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 10 * free))
-        planes = plan_module.slab_planes(cuda, plan, 100)
+    for free, expected in ((4 * whole, 40), (2 * whole, None)):
+        _fake_device(monkeypatch, free)
+        planes = plan_module.slab_planes(plan_module.DeviceMemory(cuda), plan, 100)
         if expected is not None:
             assert planes == expected
         else:  # the budget over a plane's series, sums and next upload, less the halo (extent - 1)
-            per_plane = 30 * 20 * (12 * 100 + 24)
             assert planes == int(plan_module.MEMORY_SHARE * 2 * whole / 2 // per_plane) - 4
             assert 1 < planes < 40
-    assert plan_module.slab_planes(torch.device("cpu"), plan, 100) == 40
+    # the same slabs from a budget asked for, from torch's fraction, and from memory torch holds already
+    _fake_device(monkeypatch, 100 * whole, total=100 * whole)
+    asked = plan_module.DeviceMemory(cuda, GPUMemory(2 * whole / 2**30))
+    assert asked.budget == int(2 * whole) and plan_module.slab_planes(asked, plan, 100) == planes
+    assert plan_module.DeviceMemory(cuda, GPUMemory(2.0, "%")).budget == 2 * whole
+    _fake_device(monkeypatch, 100 * whole, total=100 * whole, fraction=0.02)
+    assert plan_module.slab_planes(plan_module.DeviceMemory(cuda), plan, 100) == planes
+    _fake_device(monkeypatch, 2 * whole - whole // 2, allocated=whole // 2)
+    assert plan_module.slab_planes(plan_module.DeviceMemory(cuda), plan, 100) < planes  # (what it holds counts)
+    _fake_device(monkeypatch, 9 * per_plane)  # one plane and its halo: 5 planes
+    with pytest.raises(GPUOutOfMemoryError, match="too small for this series"):
+        plan_module.slab_planes(plan_module.DeviceMemory(cuda), plan, 100)
+    assert plan_module.slab_planes(plan_module.DeviceMemory(torch.device("cpu")), plan, 100) == 40
+
+
+def test_batches_take_half_of_what_the_run_may_still_take(monkeypatch):
+    """The batch size: ``MEMORY_SHARE`` of the budget left after what the process holds, over a window's
+    buffers, capped by ``MAX_BATCH`` and the windows there are."""
+    from mppca_nipype.engine.backend import GPUMemory
+    from mppca_nipype.engine.gpu import plan as plan_module
+
+    class Solver:
+        def workspace_bytes(self, batch, m, dtype):
+            return batch * 1000
+
+    cuda = torch.device("cuda")
+    per_window = plan_module._bytes_per_window(27, 20, torch.float32, True, 1000.0)
+    _fake_device(monkeypatch, 2**40, total=2**40, allocated=2**20)
+    memory = plan_module.DeviceMemory(cuda, GPUMemory(64 / 1024))  # 64 MiB, 1 MiB of it held
+    expected = int(plan_module.MEMORY_SHARE * (64 * 2**20 - 2**20) // per_window)
+    assert plan_module.batch_size(memory, 10**6, 27, 20, torch.float32, True, Solver()) == expected
+    assert plan_module.batch_size(memory, 100, 27, 20, torch.float32, True, Solver()) == 100
+    unlimited = plan_module.DeviceMemory(cuda)
+    assert plan_module.batch_size(unlimited, 10**6, 27, 20, torch.float32, True, Solver()) == plan_module.MAX_BATCH
 
 
 def test_the_switch_interval_is_short_within_and_restored_after_the_last_overlapping_use():

@@ -21,7 +21,8 @@ import time
 import warnings
 
 from ..engine import DEVICES, MPPCAInputError, available_cpus
-from .common import add_denoising_options, add_version_option, exit_interrupted, fail, positive_int, say
+from .common import (add_denoising_options, add_gpu_memory_option, add_version_option, exit_interrupted, fail,
+                     positive_int, say)
 
 PROG = "mppca-nipype"
 
@@ -171,6 +172,7 @@ def build_parser():
                            help="CPUs to use in all (default: the CPUs this process may use)")
     execution.add_argument("--device", choices=DEVICES, default="auto",
                            help="auto: a CUDA GPU when usable, else the CPU (default: %(default)s)")
+    add_gpu_memory_option(execution)
     execution.add_argument("--plugin", default="MultiProc",
                            help="Nipype execution plugin: Linear, MultiProc, SLURM, SGE, PBS... "
                                 "(default: %(default)s)")
@@ -441,6 +443,7 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
     workflow = init_bids_wf(todo, bids_dir=bids_dir, output_dir=output_dir, extent=args.extent,
                             stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
                             demean=args.demean, num_threads=nprocs, reports=args.reports,
+                            gpu_memory=args.gpu_memory,
                             # auto: each run on the GPU where it would finish first (engine.costs)
                             use_gpu=None if use_gpu and args.device == "auto" else use_gpu)
     workflow.base_dir = str(work_dir)

@@ -234,6 +234,26 @@ def positive_int(text: str) -> int:
     return value
 
 
+def gpu_memory(text: str):
+    """``--gpu-memory``: GiB or a share of the GPU's memory (``engine.resolve_gpu_memory``)."""
+    from ..engine import resolve_gpu_memory
+
+    try:
+        return resolve_gpu_memory(text)
+    except MPPCAInputError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB (8, 8GiB) or a share of the GPU's "
+                                         f"memory (50%), not {text!r}") from None
+
+
+def add_gpu_memory_option(parser) -> None:
+    """``--gpu-memory`` of every command that may run on a GPU."""
+    parser.add_argument("--gpu-memory", type=gpu_memory, metavar="GIB|N%",
+                        help="the most GPU memory a run may take: GiB, or a share of the GPU's memory (two "
+                             "jobs sharing a GPU: 50%%); the series is cut into slabs and batches within it, "
+                             "with the same results (default: $MPPCA_GPU_MEMORY, else all the GPU can give "
+                             "this process)")
+
+
 def add_denoising_options(parser) -> None:
     """The denoising options of every command (``mppca-denoise``, ``mppca-nipype``): same names, defaults
     from the engine."""

@@ -26,7 +26,7 @@ from .. import io
 from ..engine import (DEVICES, MIN_VOLUMES, MPPCAInputError, MPPCAWarning, check_device, choose_device, denoise,
                       resolve_noise, resolve_options)
 from ..phases import Phases, process_age
-from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_version_option,
+from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option, add_version_option,
                      leave_now_after_the_gpu, positive_int, say, user_errors, warnings_as_lines)
 
 PROG = "mppca-denoise"
@@ -88,6 +88,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--nprocs", type=positive_int, metavar="N",
                         help="CPU worker processes (default: the CPUs this process may use, at most "
                              "SLURM_CPUS_PER_TASK under SLURM)")
+    add_gpu_memory_option(parser)
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar and no summary; warnings and errors are still printed")
     parser.add_argument("--timings", action="store_true",
@@ -162,7 +163,8 @@ def run(args, parser) -> None:
         with phases("read"):
             data = io.read_data(image, args.input)
         with phases("denoise"), ProgressBar(PROG, quiet=args.quiet) as progress:
-            result = denoise(data, mask, **options, device=args.device, nprocs=args.nprocs, progress=progress)
+            result = denoise(data, mask, **options, device=args.device, nprocs=args.nprocs,
+                             gpu_memory=args.gpu_memory, progress=progress)
         phases.parts_of("denoise", result.info["seconds"])
         maps = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
         with phases("write"):

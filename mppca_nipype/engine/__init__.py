@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 import math
 import numbers
+import os
 import threading
 import time
 import warnings
@@ -19,7 +20,7 @@ import warnings
 import numpy as np
 
 from . import costs
-from .backend import DenoiseOptions, PatchSums, available_cpus
+from .backend import DenoiseOptions, GPUMemory, PatchSums, available_cpus
 from .errors import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, is_out_of_memory
 from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .layout import as_float32, empty_like_series, is_volume_major, planes_of_rows
@@ -27,7 +28,7 @@ from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
 __all__ = ["denoise", "DenoiseResult", "DenoiseOptions", "MPPCAInputError", "MPPCAWarning",
            "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "available_cpus", "check_device", "choose_device",
-           "resolve_noise", "resolve_options"]
+           "resolve_gpu_memory", "resolve_noise", "resolve_options", "GPU_MEMORY_VARIABLE"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -37,6 +38,10 @@ MIN_VOLUMES = 3
 DEFAULTS = dict(extent="wide", stride=3, estimator="exp2", aggregation="weighted", demean="volume")
 
 DEVICES = ("auto", "cpu", "cuda")
+
+#: The environment variable that gives the GPU memory budget where the call does not (``resolve_gpu_memory``):
+#: a batch system's job script can set it once for every run.
+GPU_MEMORY_VARIABLE = "MPPCA_GPU_MEMORY"
 
 
 @dataclass
@@ -127,6 +132,37 @@ def resolve_noise(noise, spatial_shape, mask=None):
     return np.where(usable, sigma, 0.0).reshape(-1) ** 2
 
 
+def resolve_gpu_memory(value, environ=os.environ) -> GPUMemory | None:
+    """The GPU memory budget asked for, as a ``GPUMemory``; None: all the device can give this process.
+
+    ``value``: a number of GiB (> 0; a number or its text, "8", "8GiB" or "8G"), or a share of the device's
+    memory ("50%": two jobs sharing a GPU ask half each), or a ``GPUMemory``; None takes the environment
+    variable ``GPU_MEMORY_VARIABLE`` (``MPPCA_GPU_MEMORY``) when it is set and not empty.
+    """
+    source = "the GPU memory budget"
+    if value is None:
+        value = environ.get(GPU_MEMORY_VARIABLE, "").strip() or None
+        source = f"{GPU_MEMORY_VARIABLE}"
+    if value is None or isinstance(value, GPUMemory):
+        return value
+    unit, amount = "GiB", value
+    if isinstance(value, str):
+        text = value.strip()
+        for suffix, name in (("%", "%"), ("GiB", "GiB"), ("G", "GiB")):
+            if text.endswith(suffix):
+                text, unit = text[:-len(suffix)].strip(), name
+                break
+        try:
+            amount = float(text)
+        except ValueError:
+            amount = None
+    if (isinstance(amount, bool) or not isinstance(amount, (numbers.Real, np.floating, np.integer))
+            or not math.isfinite(amount) or amount <= 0 or (unit == "%" and amount > 100)):
+        raise MPPCAInputError(f"{source} must be a positive number of GiB (8, 8GiB) or a share of the GPU's "
+                              f"memory (50%), not {value!r}")
+    return GPUMemory(float(amount), unit)
+
+
 def check_data(data, mask):
     """Validate the array and mask; return (data as float32, in its own order where it is contiguous:
     ``layout``; mask as bool)."""
@@ -154,7 +190,7 @@ def check_data(data, mask):
 def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
             estimator=DEFAULTS["estimator"],
             aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise=None, device="auto",
-            nprocs=None, progress=None) -> DenoiseResult:
+            nprocs=None, gpu_memory=None, progress=None) -> DenoiseResult:
     """Denoise a 4D series by Marchenko-Pastur PCA (MP-PCA).
 
     Each patch (a cuboid of ``extent`` voxels) becomes an n x T matrix; the eigenvalues of its Gram matrix
@@ -197,6 +233,12 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         included (``choose_device``; ``info["device_choice"]`` says why), else the CPU.
     nprocs : int, optional
         CPU worker processes (default: the CPUs this process may use).
+    gpu_memory : number, str or GPUMemory, optional
+        The most device memory a GPU run may take: GiB (8, "8GiB") or a share of the device ("50%");
+        default ``$MPPCA_GPU_MEMORY``, else all the device can give this process (its free memory, within
+        torch's per-process fraction). Every device allocation of the run is planned inside it (slabs along
+        x, batch sizes) and torch's allocator holds the run to it; the results are the same as an
+        unlimited run's (``resolve_gpu_memory``; docs/gpu.md, "Device memory").
     progress : callable(done, total), optional
         Called as work units finish.
 
@@ -221,6 +263,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
                               aggregation=aggregation, demean=demean, noise=noise, mask=mask)
     if nprocs is not None and (isinstance(nprocs, bool) or int(nprocs) != nprocs or nprocs < 1):
         raise MPPCAInputError(f"nprocs must be a positive integer, not {nprocs!r}")
+    gpu_memory = resolve_gpu_memory(gpu_memory)
 
     finite = _finite_voxels(data)
     n_nonfinite = int(np.count_nonzero(mask & ~finite))
@@ -243,13 +286,14 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     chosen, choice = choose_device(device, data.shape, options, nprocs)
     backend = _backend(chosen)
     try:
-        sums = backend(data, finite, plan, options, nprocs=nprocs, progress=progress)
+        sums = backend(data, finite, plan, options, nprocs=nprocs, progress=progress,
+                       **(dict(gpu_memory=gpu_memory) if chosen == "cuda" else {}))
     except Exception as err:  # noqa: BLE001 - only the GPU running out of memory is recovered from
         from .cpu import denoise_cpu
 
         if backend is denoise_cpu or not is_out_of_memory(err):
             raise
-        out_of_memory = GPUOutOfMemoryError(
+        out_of_memory = err if isinstance(err, GPUOutOfMemoryError) else GPUOutOfMemoryError(
             f"the GPU ran out of memory even in batches of a few windows ({_first_line(err)})")
         if device == "cuda":
             raise out_of_memory from None

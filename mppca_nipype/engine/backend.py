@@ -12,6 +12,9 @@ import os
 
 import numpy as np
 
+#: Bytes in a GiB: GPU memory budgets are given in GiB (``GPUMemory``).
+GIB = 2**30
+
 
 @dataclass(frozen=True)
 class DenoiseOptions:
@@ -57,6 +60,23 @@ class PatchSums:
     rank: np.ndarray
     info: dict = field(default_factory=dict)
     normalized: bool = False
+
+
+@dataclass(frozen=True)
+class GPUMemory:
+    """A GPU memory budget as asked (``engine.resolve_gpu_memory``): ``amount`` GiB, or ``amount`` percent of
+    the device's memory (``unit`` "GiB" or "%"). The GPU engine takes the least of it and what the device can
+    give this process (``gpu.plan.DeviceMemory``)."""
+
+    amount: float
+    unit: str = "GiB"
+
+    def bytes_of(self, total: int) -> int:
+        """The budget in bytes on a device of ``total`` bytes."""
+        return int(self.amount * (total / 100 if self.unit == "%" else GIB))
+
+    def __str__(self):
+        return f"{self.amount:g}%" if self.unit == "%" else f"{self.amount:g} GiB"
 
 
 def available_cpus() -> int:

@@ -118,7 +118,7 @@ def sbatch_resources(node) -> str:
 
 def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
-                  demean=DEFAULTS["demean"], use_gpu=None, num_threads=1, shape=None):
+                  demean=DEFAULTS["demean"], use_gpu=None, num_threads=1, shape=None, gpu_memory=None):
     """MP-PCA denoising of one 4D series.
 
     Parameters
@@ -135,6 +135,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     shape : tuple, optional
         The input's shape (X, Y, Z, T): the node's ``n_procs`` and ``mem_gb`` are then set from it
         (:func:`node_resources`), so that MultiProc and the cluster plugins reserve what it needs.
+    gpu_memory : number or str, optional
+        The most GPU memory the node's run may take (see :func:`mppca_nipype.denoise`).
 
     Inputs (``inputnode``)
     ----------------------
@@ -172,7 +174,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
                                          stride=stride)
     denoise = pe.Node(
         MPPCADenoise(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
-                     demean=demean, use_gpu=use_gpu, num_threads=n_procs),
+                     demean=demean, use_gpu=use_gpu, num_threads=n_procs,
+                     **({} if gpu_memory is None else {"gpu_memory": str(gpu_memory)})),
         name="denoise", n_procs=n_procs, **({} if mem_gb is None else {"mem_gb": mem_gb}))
     sidecar = pe.Node(_MetadataSidecar(), name="sidecar", run_without_submitting=True)
     workflow.connect([
@@ -188,7 +191,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
 def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEFAULTS["extent"],
                  stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], use_gpu=None,
-                 num_threads=1, reports=True):
+                 num_threads=1, reports=True, gpu_memory=None):
     """Denoise the given BIDS runs and write them as derivatives of ``bids_dir`` into ``output_dir``.
 
     Parameters
@@ -221,7 +224,8 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     for run in todo:
         run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
                                estimator=estimator, aggregation=aggregation, demean=demean,
-                               use_gpu=use_gpu, num_threads=num_threads, shape=_series_shape(run.path))
+                               use_gpu=use_gpu, num_threads=num_threads, shape=_series_shape(run.path),
+                               gpu_memory=gpu_memory)
         run_wf.inputs.inputnode.in_file = str(run.path)
         run_wf.inputs.inputnode.metadata = run.metadata
         sink = pe.Node(DerivativesSink(source_file=run.relpath, output_dir=str(output_dir)),

@@ -14,11 +14,14 @@ The data walks one way through the modules:
   where it can; else after one look at the verdicts), what fails again on the CPU;
 * ``sums``: the slab's sums divided by their weights on the device and downloaded as rows become final.
 
-Out of memory: the batch size comes from the free device memory, but the memory can be taken by another
-process meanwhile, or a workspace can outgrow the estimate. A batch that runs out is redone at half the
-size (``plan.run_in_batches``), down to ``plan.MIN_BATCH`` windows; then the error goes up
-(``denoise(device="auto")`` then runs on the CPU, with a warning). A retry is safe because a batch allocates
-everything it needs before it adds anything into the sums.
+Device memory: the slabs and batches are planned inside the run's budget (``plan.DeviceMemory``: one asked
+for, ``gpu_memory``, or all the device can give this process). The memory can still run out: another
+process takes some meanwhile, or a workspace outgrows the estimate. A batch that runs out is redone at
+half the size (``plan.run_in_batches``), down to ``plan.MIN_BATCH`` windows; a run that runs out beyond that
+(or while setting a slab up) is redone from the start in slabs of half as many x-planes, down to one;
+then the error goes up (``denoise(device="auto")`` then runs on the CPU, with a warning). A batch's retry
+is safe because it allocates everything it needs before it adds anything into the sums; a run's retry
+starts over with new sums.
 """
 
 from __future__ import annotations
@@ -31,17 +34,19 @@ import numpy as np
 import torch
 
 from ..backend import PatchSums
+from ..errors import is_out_of_memory
 from ..layout import is_volume_major, rows_of_planes
 from . import boxsums, graphs
 from .batch import SlabWindows
-from .plan import GPURun, GPUSettings, box_fits, plan_slabs, run_in_batches, slab_planes
+from .plan import DeviceMemory, GPURun, GPUSettings, box_fits, plan_slabs, run_in_batches, slab_planes
 from .settling import PartFinishing, settle_on_device, settle_on_host
 from .sums import Finisher, SlabSums, download_volume_major
 from .timeline import Timeline
 from .upload import StagedSeries, Upload, switching_often, to_device
 
 
-def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, device=None, **settings):
+def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, device=None, gpu_memory=None,
+                **settings):
     """Run the plan on a CUDA device and return the per-voxel values (``engine.backend.PatchSums``).
 
     With ``normalize`` (the default) the sums are divided by the weights on the device and come back
@@ -54,8 +59,9 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     run, the rows no later window reaches are divided and downloaded, and the sums of the halo (the last
     extent - 1 planes) are carried into the next slab.
 
-    ``device``: default "cuda"; "cpu" runs the same kernels under TRITON_INTERPRET=1. ``settings``: the fields
-    of ``plan.GPUSettings`` (path, eigensolver, precision, max_batch, planes, normalize, settle, timeline).
+    ``device``: default "cuda"; "cpu" runs the same kernels under TRITON_INTERPRET=1. ``gpu_memory``
+    (``backend.GPUMemory``): the budget asked for (``plan.DeviceMemory``). ``settings``: the fields of
+    ``plan.GPUSettings`` (path, eigensolver, precision, max_batch, planes, normalize, settle, timeline).
     ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process.
     """
     settings = GPUSettings(**settings)
@@ -67,10 +73,25 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
         kept = graphs.FirstPassGraphs.taken((str(device), plan.spatial_shape, plan.extent, plan.stride,
                                              plan.n_windows, data.shape[3], options,
                                              dataclasses.replace(settings, timeline=False)))
+    memory = DeviceMemory(device, gpu_memory)
+    planes = settings.planes or slab_planes(memory, plan, data.shape[3])
     try:
         # the upload's threads get the GIL when they need it, not after Python's default 5 ms
-        with switching_often() if device.type == "cuda" else nullcontext():
-            return _GPURunOfSlabs(data, finite, plan, options, device, settings, progress, kept).run()
+        with switching_often() if device.type == "cuda" else nullcontext(), memory.enforced():
+            retries = 0
+            while True:
+                run = _GPURunOfSlabs(data, finite, plan, options, device, settings, progress, kept, memory,
+                                     planes)
+                try:
+                    sums = run.run()
+                except Exception as err:  # noqa: BLE001 - only out of memory is recovered from
+                    if not is_out_of_memory(err) or planes <= 1:
+                        raise
+                    run.abandon()
+                    planes, retries = max(1, min(planes, plan.spatial_shape[0]) // 2), retries + 1
+                    continue
+                sums.info.update(slab_retries=retries, **memory.describe())
+                return sums
     finally:
         if kept is not None:
             kept.lock.release()
@@ -79,16 +100,17 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
 class _GPURunOfSlabs:
     """One call of ``denoise_gpu``: the upload, the slab loop and the outputs (the run's state between them)."""
 
-    def __init__(self, data, finite, plan, options, device, settings, progress, kept_graphs):
+    def __init__(self, data, finite, plan, options, device, settings, progress, kept_graphs, memory, planes):
         self.started = time.perf_counter()
-        self.data, self.finite_host, self.plan, self.device = data, finite, plan, device
+        self.data, self.finite_host, self.plan, self.device, self.memory = data, finite, plan, device, memory
         self.settings, self.progress, self.on_gpu = settings, progress, device.type == "cuda"
         self.timeline = Timeline(device, settings.timeline)
         if self.on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
         self.n_volumes = data.shape[3]
         self.n_rows = int(np.prod(data.shape[:3]))
-        self.slabs = plan_slabs(plan, settings.planes or slab_planes(device, plan, self.n_volumes))
+        self.planes = min(planes, plan.spatial_shape[0])
+        self.slabs = plan_slabs(plan, self.planes)
         self.kept_graphs = kept_graphs if len(self.slabs) == 1 else None  # (graphs serve a series that fits whole)
         self.plane = plan.spatial_shape[1] * plan.spatial_shape[2]
         # the series' copies on a stream of their own: the run's set-up work queued meanwhile does not wait for them
@@ -97,7 +119,8 @@ class _GPURunOfSlabs:
         self.every_voxel_finite = bool(finite.all())
         self.host_finite = (None if self.every_voxel_finite
                             else np.ascontiguousarray(finite.reshape(-1), dtype=np.float32))
-        self.uploads = {}  # slab number -> what ``_upload`` returned
+        self.uploads = {}  # slab number -> what ``_upload`` returned, until its slab takes it
+        self.started_uploads = []  # every ``upload.Upload`` started (``abandon`` waits for them)
         self.options = options
 
     def run(self) -> PatchSums:
@@ -105,7 +128,7 @@ class _GPURunOfSlabs:
         # the first thing: the helper threads stage and copy while this one sets the run up
         self.uploads[0] = self._upload(self.slabs[0])
         timeline.mark("upload started")
-        run = GPURun(self.plan, self.options, self.device, self.settings, self.n_volumes)
+        run = GPURun(self.plan, self.options, self.device, self.settings, self.n_volumes, self.memory)
         timeline.mark("plan's tables")
         # a volume-major series that fits whole comes back in its order, transposed on the device at the end
         volume_major = (self.on_gpu and self.settings.normalize and len(self.slabs) == 1
@@ -147,11 +170,21 @@ class _GPURunOfSlabs:
                                    gram_precision=str(run.dtype).replace("torch.", ""),
                                    gram_path=run.gram_path, batch=run.step,
                                    out_of_memory_retries=run.retries, n_slabs=len(self.slabs),
+                                   slab_planes=self.planes,
                                    n_settled_in_float64=run.settled(), n_redone_on_cpu=run.n_redone_on_cpu,
                                    eigenvalues_refined=bool(run.refine), mean_taken_apart=run.mean_apart,
                                    first_pass=run.first_pass, gpu_peak_bytes=int(peak),
                                    seconds_engine=time.perf_counter() - self.started,
                                    **(dict(timeline_ms=timeline.milliseconds()) if timeline.enabled else {})))
+
+    def abandon(self):
+        """After an error: wait for the uploads still under way (their threads write into memory the next
+        run may reuse) and the device, and hand torch's cached device memory back."""
+        for upload in self.started_uploads:
+            upload.drain()
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _upload(self, slab):
         """Start the slab's series on its way to the device (on the copy stream)."""
@@ -162,7 +195,9 @@ class _GPURunOfSlabs:
         into = (self.kept_graphs.volume_for((rows.stop - rows.start, self.n_volumes), self.device)
                 if self.kept_graphs is not None else None)
         with torch.cuda.stream(self.copies):
-            return self.series.upload(rows, self.device, self.copies, into=into)
+            upload = self.series.upload(rows, self.device, self.copies, into=into)
+        self.started_uploads.append(upload)
+        return upload
 
     def _rows_of(self, number):
         """Slab ``number``'s series (on a GPU: an ``upload.Upload`` whose parts the current stream is to wait
@@ -275,7 +310,7 @@ def _queue_first_pass(run, slab, arrive, arrived, sums, report, finisher, timeli
     returns (the slab's windows, the verdicts, the part finishing or None)."""
     plan, n_volumes = run.plan, sums.image.shape[1]
     box = None
-    if run.takes_box_sums and (run.path == "box" or box_fits(run.device, plan, n_volumes, slab)):
+    if run.takes_box_sums and (run.path == "box" or box_fits(run.memory, plan, n_volumes, slab)):
         box = boxsums.BoxSums(plan, slab, n_volumes, run.device)
         run.n_box_slabs += 1
         timeline.mark("box sums' tables")

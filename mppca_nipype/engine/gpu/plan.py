@@ -4,8 +4,10 @@
 benchmarks: each path and eigensolver can be forced). ``GPURun`` holds what stays the same across the slabs
 and batches of one run (the plan, the precision of the first pass, the eigensolver, the paths of the Gram
 and reconstruction, the patch geometry on the device) and what the run learns (batch size, retries,
-counts). The sizes: windows per batch (``batch_size``) and x-planes per slab (``slab_planes``) from the free
-device memory; a batch that runs out of memory anyway is redone at half the size (``run_in_batches``).
+counts). The sizes: x-planes per slab (``slab_planes``) and windows per batch (``batch_size``) within the
+run's device memory (``DeviceMemory``: a budget asked for, or all the device can give this process); a
+batch that runs out of memory anyway is redone at half the size (``run_in_batches``), and a run whose slab
+does not fit is redone in thinner slabs (``pipeline.denoise_gpu``).
 
 Precision of the first pass (``gram_precision``): with voxel or volume demeaning everything runs in float32
 (the Gram of a centred patch is well conditioned; the centring happens before the products, never as
@@ -19,12 +21,15 @@ runs that the fused and tridiagonal kernels cannot serve run in float64.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+import math
 
 import numpy as np
 import torch
 
-from ..errors import is_out_of_memory
+from ..backend import GIB
+from ..errors import GPUOutOfMemoryError, is_out_of_memory
 from . import boxsums, cusolver, threshold
 from .cusolver import BatchedEigh, ProjectorFromVectors
 from .gram import fused_fits
@@ -39,8 +44,11 @@ PATHS = ("auto", "box", "fused", "gather")
 PRECISIONS = ("auto", "float32", "float64")
 #: Upper bound on windows per batch (beyond it XsyevBatched gains nothing and workspaces grow linearly).
 MAX_BATCH = 16384
-#: Share of the free device memory that one batch's buffers may take.
+#: Share of the memory the run may still take (``DeviceMemory.free``) that one batch's buffers may take.
 MEMORY_SHARE = 0.5
+#: Share of the run's budget that a slab's series and sums may take (beside the next slab's upload); the
+#: batches take ``MEMORY_SHARE`` of what is left.
+SLAB_SHARE = MEMORY_SHARE / 2
 #: Smallest batch an out-of-memory retry goes down to (below it the GPU would gain nothing over the CPU).
 MIN_BATCH = 64
 #: Largest m for which "auto" takes the tridiagonal kernels in float32: 5-7x faster than XsyevBatched in the
@@ -127,16 +135,71 @@ def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, r
     return int(per_window)
 
 
-def batch_size(device, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None, refine=False) -> int:
-    """Windows per batch: what ``MEMORY_SHARE`` of the free device memory holds, at most ``MAX_BATCH``."""
+class DeviceMemory:
+    """The device memory one run may take: ``budget`` bytes held by this process's torch allocator during the
+    run (the series or its slab, the sums, box sums, batches, workspaces, kept graphs and tables), and what
+    it may still take (``free``).
+
+    On a GPU the budget is the least of the one asked for (``GPUMemory``) and what the device can give this
+    process: its free memory plus what torch holds already (its cache), within torch's per-process fraction
+    of the device. A budget asked for is also enforced while the run lasts (``enforced``: torch's
+    per-process fraction), so that an allocation beyond it runs out of memory and is redone smaller instead
+    of taking memory another job counts on. On the CPU (the kernels interpreted) there is a budget only
+    when one is asked for, against the slab the plan counts (``slab_bytes``).
+    """
+
+    def __init__(self, device, asked=None):
+        self.device, self.asked, self.on_gpu = device, asked, device.type == "cuda"
+        self.slab = 0  # bytes of the planned slab (what the CPU counts as taken)
+        if self.on_gpu:
+            free, self.total = torch.cuda.mem_get_info(device)
+            self.available = int(min(free + torch.cuda.memory_reserved(device),
+                                     torch.cuda.get_per_process_memory_fraction(device) * self.total))
+            self.budget = self.available if asked is None else min(asked.bytes_of(self.total), self.available)
+            self.held = torch.cuda.memory_allocated(device)  # before the run: kept graphs, tables
+        else:
+            self.total = self.available = None
+            self.budget = None if asked is None else asked.bytes_of(64 * GIB)  # (a share of a nominal device)
+            self.held = 0
+
+    def free(self) -> float:
+        """Bytes the run may still allocate now."""
+        if not self.on_gpu:
+            return math.inf if self.budget is None else self.budget - self.slab
+        free, _ = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        return min(free + torch.cuda.memory_reserved(self.device) - allocated, self.budget - allocated)
+
+    @contextmanager
+    def enforced(self):
+        """Within: torch's allocator holds this process to the budget asked for (none asked: as it was)."""
+        if not (self.on_gpu and self.asked is not None):
+            yield
+            return
+        before = torch.cuda.get_per_process_memory_fraction(self.device)
+        torch.cuda.set_per_process_memory_fraction(min(before, self.budget / self.total), self.device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(before, self.device)
+
+    def describe(self) -> dict:
+        """The budget for ``info``: bytes, and what was asked for."""
+        return dict(gpu_memory_budget=None if self.budget is None else int(self.budget),
+                    gpu_memory_asked=None if self.asked is None else str(self.asked))
+
+
+def batch_size(memory, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None, refine=False) -> int:
+    """Windows per batch: what ``MEMORY_SHARE`` of the memory the run may still take holds (``memory``:
+    ``DeviceMemory``), at most ``MAX_BATCH``."""
     cap = min(max_batch or MAX_BATCH, max(n_windows, 1))
-    if device.type != "cuda":
+    free = memory.free()
+    if math.isinf(free):
         return cap
     probe = 256
     workspace = solver.workspace_bytes(probe, min(n_voxels, n_volumes), dtype) / probe
     per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine)
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(max(1, min(cap, MEMORY_SHARE * free // per_window)))
+    return int(max(1, min(cap, MEMORY_SHARE * max(free, 0) // per_window)))
 
 
 def run_in_batches(n_items, step, run, *, min_batch=None, on_batch=None, on_retry=None):
@@ -193,28 +256,41 @@ def plan_slabs(plan, planes: int) -> list[Slab]:
     return slabs
 
 
-def slab_planes(device, plan, n_volumes: int) -> int:
-    """x-planes of window corners per slab: all of them when the whole series and its sums take at most half
-    of ``MEMORY_SHARE`` of the free device memory (the batches get the rest), else as many as fit there
-    with the halo and the next slab's upload beside them."""
+def slab_bytes(plan, n_volumes: int, planes: int) -> int:
+    """Device bytes of a slab of ``planes`` x-planes of window corners: the whole series (with its sums) when
+    that is all of them; else the slab with its halo, its sums and the next slab's series arriving beside it."""
     nx, ny, nz = plan.spatial_shape
-    if device.type != "cuda":
-        return nx
-    free, _ = torch.cuda.mem_get_info(device)
-    budget = MEMORY_SHARE * free / 2
-    whole = nx * ny * nz * (8 * n_volumes + 20)  # series + finite, image + weight/sigma/rank sums
-    if whole <= budget:
-        return nx
-    per_plane = ny * nz * (12 * n_volumes + 24)  # and the next slab's series and finite rows
-    return max(1, int(budget // per_plane) - (plan.extent[0] - 1))
+    if planes >= nx:
+        return nx * ny * nz * (8 * n_volumes + 20)  # series + finite, image + weight/sigma/rank sums
+    return (planes + plan.extent[0] - 1) * ny * nz * (12 * n_volumes + 24)
 
 
-def box_fits(device, plan, n_volumes, slab) -> bool:
-    """Whether the box sums' scratch for ``slab`` fits in ``MEMORY_SHARE`` of the free device memory."""
-    if device.type != "cuda":
-        return True
-    free, _ = torch.cuda.mem_get_info(device)
-    return boxsums.scratch_bytes(plan, n_volumes, slab.done - slab.first) <= MEMORY_SHARE * free
+def slab_planes(memory, plan, n_volumes: int) -> int:
+    """x-planes of window corners per slab: all of them when the whole series and its sums take at most
+    ``SLAB_SHARE`` of what the run may take (``memory``: ``DeviceMemory``; the batches get the rest), else as
+    many as fit there with the halo and the next slab's upload beside them. Raises GPUOutOfMemoryError when
+    even one plane's slab would take more than half of it."""
+    nx = plan.spatial_shape[0]
+    room = memory.free()
+    if math.isinf(room):
+        return nx
+    if slab_bytes(plan, n_volumes, nx) <= SLAB_SHARE * room:
+        planes = nx
+    else:
+        per_plane = slab_bytes(plan, n_volumes, 1) // plan.extent[0]
+        planes = max(1, int(SLAB_SHARE * room // per_plane) - (plan.extent[0] - 1))
+    least = slab_bytes(plan, n_volumes, 1)
+    if least > room / 2:
+        raise GPUOutOfMemoryError(
+            f"the GPU memory this run may take ({room / GIB:.2f} GiB) is too small for this series: a slab of "
+            f"one x-plane of patches takes {least / GIB:.2f} GiB, and needs at least {2 * least / GIB:.2f} GiB")
+    memory.slab = slab_bytes(plan, n_volumes, planes)
+    return planes
+
+
+def box_fits(memory, plan, n_volumes, slab) -> bool:
+    """Whether the box sums' scratch for ``slab`` fits in ``MEMORY_SHARE`` of what the run may still take."""
+    return boxsums.scratch_bytes(plan, n_volumes, slab.done - slab.first) <= MEMORY_SHARE * memory.free()
 
 
 class GPURun:
@@ -222,8 +298,8 @@ class GPURun:
     eigensolver and paths, the patch geometry on the device; and what the run learns (batch size, retries,
     counts of windows redone)."""
 
-    def __init__(self, plan, options, device, settings: GPUSettings, n_volumes):
-        self.plan, self.options, self.device = plan, options, device
+    def __init__(self, plan, options, device, settings: GPUSettings, n_volumes, memory: DeviceMemory):
+        self.plan, self.options, self.device, self.memory = plan, options, device, memory
         self.path, self.max_batch = settings.path, settings.max_batch
         self.demean, self.center = options.demean, options.aggregation == "center"
         self.dtype = gram_precision(options, settings.precision, takes_mean_apart(
@@ -278,7 +354,7 @@ class GPURun:
 
     def batch_size(self, n_windows, n_volumes, dtype=None, fused=None, refine=None) -> int:
         """``batch_size`` for this run's patch and solver (default: the first pass's precision and paths)."""
-        return batch_size(self.device, n_windows, self.plan.patch_size, n_volumes, dtype or self.dtype,
+        return batch_size(self.memory, n_windows, self.plan.patch_size, n_volumes, dtype or self.dtype,
                           self.fused if fused is None else fused, self.solver, self.max_batch,
                           self.refine if refine is None else refine)
 

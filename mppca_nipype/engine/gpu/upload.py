@@ -127,6 +127,13 @@ class Upload:
             pass
         return self.tensor
 
+    def drain(self):
+        """Wait until every part's copy is queued or its thread has failed (after an error elsewhere in the
+        run: nothing of this upload is used), without raising."""
+        for queued in self._queued:
+            queued.exception()
+        self._queued.clear()
+
 
 class _Countdown:
     """Set once ``count`` parts are done (``done()``), or at the first part's error (``failed(error)``);
