@@ -112,7 +112,8 @@ class BatchedEigh(ProjectorFromVectors):
         self._cusolver = None
         self._handle = None
         self._params = None
-        self._workspaces = {}
+        self._workspaces = {}  # (m, dtype, mode) -> (device, host) workspaces, the largest asked for
+        self._sizes = {}  # (batch, m, dtype, mode) -> cuSOLVER's (device, host) bytes
         if self.device.type != "cuda":
             return
         cusolver, reason = _load_cusolver()
@@ -160,15 +161,24 @@ class BatchedEigh(ProjectorFromVectors):
             code, values.data_ptr(), code, batch)
 
     def _workspace(self, matrices, values, mode):
-        """Device and host workspaces for this (batch, m, dtype, mode), allocated once and kept."""
+        """Device and host workspaces for this (batch, m, dtype, mode): one pair per (m, dtype, mode), the
+        largest asked for so far, serves every smaller batch (a run's batches of several sizes, the last of
+        each slab and the settling passes', would otherwise each keep a workspace of its own, several GiB
+        at T = 288 beside a budget). cuSOLVER's sizes are asked once per batch size."""
         batch, m = matrices.shape[0], matrices.shape[-1]
-        key = (batch, m, matrices.dtype, mode)
-        if key not in self._workspaces:
-            device_bytes, host_bytes = self._buffer_size(matrices, values, batch, mode)
-            on_device = torch.empty(max(int(device_bytes), 1), dtype=torch.uint8, device=self.device)
-            on_host = torch.empty(max(int(host_bytes), 1), dtype=torch.uint8)
-            self._workspaces[key] = (on_device, int(device_bytes), on_host, int(host_bytes))
-        return self._workspaces[key]
+        size_key = (batch, m, matrices.dtype, mode)
+        if size_key not in self._sizes:
+            self._sizes[size_key] = tuple(int(b) for b in self._buffer_size(matrices, values, batch, mode))
+        device_bytes, host_bytes = self._sizes[size_key]
+        key = (m, matrices.dtype, mode)
+        kept = self._workspaces.get(key)
+        if kept is None or kept[0].numel() < device_bytes or kept[1].numel() < host_bytes:
+            self._workspaces.pop(key, None)  # (freed before the larger one is allocated)
+            kept = (torch.empty(max(device_bytes, 1), dtype=torch.uint8, device=self.device),
+                    torch.empty(max(host_bytes, 1), dtype=torch.uint8))
+            self._workspaces[key] = kept
+        on_device, on_host = kept
+        return on_device, on_device.numel(), on_host, on_host.numel()
 
     def __call__(self, matrices, vectors=True):
         if matrices.ndim != 3 or matrices.shape[1] != matrices.shape[2] or not matrices.is_contiguous():
