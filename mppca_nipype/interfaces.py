@@ -111,9 +111,6 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=Non
     from .engine import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, check_device, denoise
 
     notes, placement = [], {"GPUAsked": bool(use_gpu), "GPUSlot": None, "CPUFallback": None}
-    if use_gpu and parameters.get("noise") is not None:
-        placement["CPUFallback"] = "the GPU engine does not take a given noise level yet"
-        use_gpu = False
 
     def run(device):
         with warnings.catch_warnings(record=True) as caught:
@@ -174,7 +171,7 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
     noise_in = traits.Either(
         traits.Float, File(exists=True),
         desc="a given noise level (standard deviation) instead of each patch's MP-PCA estimate: one positive "
-             "number, or a 3D map on the input's grid (positive inside the mask); runs on the CPU")
+             "number, or a 3D map on the input's grid (positive inside the mask)")
     use_gpu = traits.Bool(gpu_probably_usable(), usedefault=True,
                           desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
                                "GPU slot for the node. Default: true when a GPU is usable here")

@@ -352,8 +352,6 @@ BAD_INPUTS = {
     "missing noise level file": (_with("--noise-in", "TMP/absent.nii.gz"), 1, "nor an existing file"),
     "noise level map of another grid": (_noise_map_of_another_shape, 1, "has shape (9, 8, 6)"),
     "noise level map with a zero": (_noise_map_with_a_zero, 1, "not a positive finite number at 1 voxels"),
-    "noise level on cuda": (_with("--noise-in", "5", "--device", "cuda"), 1,
-                            "does not take a given noise level yet"),
 }
 
 

@@ -3,13 +3,10 @@ edge sigma^2 (1 + sqrt(r / q))^2. ``estimators.given_noise_threshold`` against r
 plain float64 loop written from that formula), and the CPU engine against reference.denoise_reference
 (same tolerances as test_engine_cpu.py)."""
 
-import warnings
-
 import numpy as np
 import pytest
 
-from mppca_nipype import MPPCAInputError, MPPCAWarning, denoise
-from mppca_nipype.engine import choose_device, resolve_options
+from mppca_nipype import MPPCAInputError, denoise
 from mppca_nipype.engine.estimators import given_noise_threshold
 from mppca_nipype.phantoms import low_rank_phantom
 from reference import given_noise_rank
@@ -174,23 +171,3 @@ def test_a_trailing_axis_of_length_one_is_allowed():
     flat = run_engine(data, noise=np.full(data.shape[:3], 1.0), **options)
     trailing = run_engine(data, noise=np.full((*data.shape[:3], 1), 1.0), **options)
     assert np.array_equal(flat.denoised, trailing.denoised)
-
-
-def test_the_gpu_does_not_take_a_given_noise_level_yet():
-    shape = (96, 96, 60, 100)  # large enough that auto would weigh the GPU
-    options = resolve_options(shape, extent="wide", stride=3, estimator="exp2", aggregation="weighted",
-                              demean="volume", noise=2.0)
-    assert choose_device("auto", shape, options) == (
-        "cpu", "auto: the CPU (the GPU engine does not take a given noise level yet)")
-    assert choose_device("cpu", shape, options) == ("cpu", None)
-    with pytest.raises(MPPCAInputError, match="GPU engine does not take a given noise level yet"):
-        choose_device("cuda", shape, options)
-    data, _, _ = case_data("time-side")
-    with pytest.raises(MPPCAInputError, match="does not take a given noise level"):
-        denoise(data, noise=1.0, device="cuda")
-    result = run_engine(data, noise=1.0)
-    assert result.info["backend"] == "cpu"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", MPPCAWarning)
-        auto = denoise(data, noise=1.0, device="auto", nprocs=1)
-    assert auto.info["device_choice"] == "auto: the CPU (the GPU engine does not take a given noise level yet)"

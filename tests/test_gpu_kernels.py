@@ -13,6 +13,7 @@ where other tests need compiled kernels) one test runs this file in a child proc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -235,7 +236,7 @@ def prepared(noisy, mask=None, **options):
     """What ``denoise`` hands a backend: float32 data with non-finite voxels zeroed, the mask, the finite
     voxels, the plan and the resolved options."""
     data, mask = check_data(noisy, mask)
-    resolved = resolve_options(data.shape, **options)
+    resolved = resolve_options(data.shape, mask=mask, **options)
     finite = np.isfinite(data).all(axis=3)
     data = data.copy(order="K")  # (in its own order)
     data[~finite] = 0
@@ -284,6 +285,41 @@ def test_pipeline_matches_cpu_backend(kernels, aggregation, stride, demean):
     assert gpu.info["gram_path"] == ("box" if demean == "voxel" and aggregation != "center" else "fused")
     assert gpu.info["gram_precision"] == ("float64" if demean == "none" else "float32")
     assert_same_denoising(cpu, gpu, mask)
+
+
+@interpreted
+@pytest.mark.parametrize("path, aggregation, stride, demean, eigensolver", [
+    ("fused", "weighted", 2, "volume", "tridiagonal"), ("box", "weighted", 2, "voxel", "tridiagonal"),
+    ("gather", "uniform", 3, "voxel", "xsyev"), ("fused", "center", 1, "none", "auto")])
+@pytest.mark.parametrize("given", ["number", "map"])
+def test_a_given_noise_level_gives_the_cpus_ranks(kernels, path, aggregation, stride, demean, eigensolver, given):
+    """``noise`` given as one number or a map (positive inside the mask, 0 and NaN outside): every path and
+    eigensolver thresholds each window at the given sigma^2's edge as the CPU backend does, and the noise map
+    reports the given level. With a mask and non-finite voxels where the path takes them."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    rng = np.random.default_rng(7)
+    noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=17)
+    mask = np.ones(noisy.shape[:3], bool)
+    if path != "box":  # (the box sums take every voxel finite)
+        mask[0, :2] = False
+        noisy[4, 3, 1, 5] = np.nan
+    sigma = rng.uniform(2.0, 3.0, size=noisy.shape[:3])  # below the phantom's 5: more is kept than estimated
+    sigma[~mask] = rng.choice([0.0, np.nan], size=int((~mask).sum()))
+    data, mask, finite, plan, options = prepared(noisy, mask, extent=3, stride=stride, estimator="exp2",
+                                                 aggregation=aggregation, demean=demean,
+                                                 noise=2.5 if given == "number" else sigma)
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    gpu = denoise_gpu(data, finite, plan, options, device="cpu", path=path, eigensolver=eigensolver)
+    assert gpu.info["gram_path"] == path
+    assert_same_denoising(cpu, gpu, mask)
+    served = (cpu.weight > 0) & mask.ravel()
+    estimated = denoise_gpu(data, finite, plan, dataclasses.replace(options, noise_variance=None), device="cpu",
+                            path=path, eigensolver=eigensolver)
+    assert per_voxel(gpu, served)[2].mean() > per_voxel(estimated, served)[2].mean() + 0.5
+    assert np.all(per_voxel(gpu, served)[1] < 3.0) and np.all(per_voxel(estimated, served)[1] > 3.5)
+    if given == "number":
+        np.testing.assert_allclose(per_voxel(gpu, served)[1], 2.5, rtol=1e-6)
 
 
 @interpreted

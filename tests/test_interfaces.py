@@ -212,15 +212,14 @@ def test_a_given_noise_level_is_used_and_its_source_recorded(series, tmp_path, g
         noise_in = tmp_path / "sigma.nii.gz"
         nib.save(nib.Nifti1Image(noise, image.affine), noise_in)
         noise_in = str(noise_in)
-    # use_gpu: the GPU engine does not take a given noise level yet, so the node runs on the CPU and says why
-    result = run_in(tmp_path / "node", MPPCADenoise(in_file=str(series), noise_in=noise_in, use_gpu=True))
+    result = run_in(tmp_path / "node", MPPCADenoise(in_file=str(series), noise_in=noise_in, use_gpu=False))
     expected = denoise(image.get_fdata(dtype=np.float32), noise=noise, device="cpu", nprocs=1)
     np.testing.assert_allclose(nib.load(result.outputs.out_file).get_fdata(), expected.denoised, rtol=0, atol=1e-3)
     written = nib.load(result.outputs.noise_file).get_fdata()
     np.testing.assert_allclose(written, expected.sigma, rtol=1e-6)
     provenance = read_json(result.outputs.provenance_file)
     assert provenance["Backend"] == "cpu" and provenance["EngineInfo"]["noise"] == "given"
-    assert provenance["CPUFallback"] == "the GPU engine does not take a given noise level yet"
+    assert provenance["CPUFallback"] is None
     if given == "number":
         assert provenance["Parameters"]["noise_in"] == SIGMA
         np.testing.assert_allclose(written, SIGMA, rtol=1e-6)

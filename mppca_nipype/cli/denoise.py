@@ -79,7 +79,7 @@ def build_parser() -> ArgumentParser:
                         help="a given noise level (standard deviation) instead of each patch's estimate: one "
                              "positive number, or a 3D NIfTI map on IN's voxel grid (positive inside the "
                              "mask); a patch keeps the components above the Marchenko-Pastur edge "
-                             "sigma^2 (1 + sqrt(gamma))^2 (docs/options.md); runs on the CPU")
+                             "sigma^2 (1 + sqrt(gamma))^2 (docs/options.md)")
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="auto: a CUDA GPU where the GPU engine is installed and usable and would "
                              "finish first, its start included, else the CPU (where the GPU may win and be "

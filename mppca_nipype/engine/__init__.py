@@ -227,7 +227,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         of sigma on the input's grid (each patch takes the mean of sigma^2 over its finite voxels; inside the
         mask every value must be positive and finite, ``resolve_noise``). A patch keeps the components
         whose lambda_i = s_i / q lie above the Marchenko-Pastur edge sigma^2 (1 + sqrt(r / q))^2
-        (``estimators.given_noise_threshold``), and ``sigma`` reports the given level. CPU only for now.
+        (``estimators.given_noise_threshold``), and ``sigma`` reports the given level.
     device : {"auto", "cpu", "cuda"}
         ``auto`` uses a usable CUDA GPU where the GPU engine is installed and would finish first, its start
         included (``choose_device``; ``info["device_choice"]`` says why), else the CPU.
@@ -400,17 +400,9 @@ def choose_device(device: str, shape, options: DenoiseOptions, nprocs=None) -> t
 
     ``auto`` takes the GPU where it is usable and would finish first, the start of its libraries included
     (``costs``: a small series is done on the CPU before torch is imported); the estimate comes first, so a
-    series the CPU wins never imports torch. ``cuda`` raises MPPCAInputError when no GPU can be used, or when
-    the noise level is given (the GPU engine estimates it per patch only); ``auto`` then runs on the CPU.
+    series the CPU wins never imports torch. ``cuda`` raises MPPCAInputError when no GPU can be used; ``auto``
+    then runs on the CPU.
     """
-    if options.noise_given:
-        _check_choice("device", device, DEVICES)
-        if device == "cuda":
-            raise MPPCAInputError("device 'cuda' was asked for but the GPU engine does not take a given noise "
-                                  "level yet; use device 'cpu' or 'auto'")
-        if device == "auto":
-            return "cpu", "auto: the CPU (the GPU engine does not take a given noise level yet)"
-        return "cpu", None
     if device != "auto":
         return check_device(device), None
     guess = costs.estimate(shape[:3], shape[3], options.extent, options.stride, nprocs or available_cpus())

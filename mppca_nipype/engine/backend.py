@@ -22,7 +22,7 @@ class DenoiseOptions:
 
     ``noise_variance``: None to estimate each patch's noise (``estimator``); else the given noise as a
     variance, one number (sigma^2) or a flat (X*Y*Z,) float64 map of sigma^2 with 0 where a voxel outside
-    the mask had no usable value (``engine.resolve_noise``). Only the CPU engine takes it.
+    the mask had no usable value (``engine.resolve_noise``).
     """
 
     extent: tuple[int, int, int]

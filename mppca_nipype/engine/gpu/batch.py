@@ -72,6 +72,8 @@ class SlabWindows:
         self.verdicts_ready = None  # an event after the first pass's last verdicts (on a GPU, with ``run.side``)
         self.capturing = False  # while the first pass is captured as graphs (``graphs.FirstPassGraphs.capture``)
         self.box_kept = box  # (``renew``: the box of windows kept with their graphs)
+        # a given noise map's values on the slab's rows (``_given_variance``)
+        self.noise_rows = run.noise_variance[row0:] if run.noise_map else None
         windows = slab.windows
         self.base = to_device(run.window_base[windows] - row0, device)
         self.multiplicity = to_device(plan.multiplicity[windows].astype(np.float64), device)
@@ -148,7 +150,8 @@ class SlabWindows:
         delta = (rounding_uncertainty(values, threshold.REFINED_SETTLE_SLACK if refine else run.settle_slack, scale)
                  if settle else None)
         patch_rank, sigma2, unsettled = threshold_on_device(values, usable_voxels, usable_volumes,
-                                                            run.options.estimator, delta)
+                                                            run.options.estimator, delta,
+                                                            self._given_variance(selection, len(values)))
         keep = info == 0
         if selection.asked is not None:  # the places past the count hold no window (their numbers are unwritten)
             keep &= selection.asked
@@ -186,6 +189,23 @@ class SlabWindows:
         grams, *gathered = gather_gram(self.volume, self.finite, selection.base, run.voxel_offsets, run.demean,
                                        torch.float64 if refine else dtype, n_voxels >= self.volume.shape[1])
         return grams, gathered[2].sum(dim=1).to(torch.int32), None, gathered
+
+    def _given_variance(self, selection, batch):
+        """(B,) float64: each window's given noise variance (``DenoiseOptions.noise_variance``), or None when
+        the noise is estimated. A map's is the mean of sigma^2 over the window's finite voxels that have a
+        value (the map is 0 where a voxel outside the mask had none), as ``cpu.given_noise_variance``."""
+        given = self.run.noise_variance
+        if given is None:
+            return None
+        if not self.run.noise_map:
+            return given.expand(batch)
+        base = selection.base
+        if selection.asked is not None:  # the places past the count hold no window: any row will do there
+            base = torch.where(selection.asked, base, torch.zeros_like(base))
+        voxels = base[:, None].to(torch.int64) + self.run.voxel_offsets[None, :].to(torch.int64)
+        values = self.noise_rows[voxels]
+        counted = (self.finite[voxels] > 0) & (values > 0)
+        return torch.where(counted, values, 0.0).sum(dim=1) / counted.sum(dim=1).clamp(min=1)
 
     def _select(self, windows) -> _Selection:
         """The batch's windows (see ``batch``) as the kernels take them."""

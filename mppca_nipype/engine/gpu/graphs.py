@@ -34,6 +34,7 @@ def may_replay(plan, options, finite, n_volumes, settings) -> bool:
     (``pipeline.run_slab`` decides; this keeps other runs from holding a geometry's buffers)."""
     return (enabled() and settings.path in ("auto", "box") and settings.eigensolver in ("auto", "tridiagonal")
             and settings.precision in ("auto", "float32") and settings.settle
+            and not options.noise_given  # (a given map is the run's own: a graph would read another run's)
             and boxsums.applies(plan, options, finite, n_volumes, torch.float32, True))
 
 

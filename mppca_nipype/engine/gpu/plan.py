@@ -310,6 +310,11 @@ class GPURun:
                              else threshold.SETTLE_SLACK)
         self.window_base = plan.window_base()
         self.voxel_offsets = to_device(plan.voxel_offsets.astype(np.int32), device)
+        # a given noise level on the device: sigma^2, one number (one element) or a map of the series' rows
+        self.noise_map = np.ndim(options.noise_variance) > 0
+        self.noise_variance = (None if options.noise_variance is None
+                               else to_device(np.asarray(options.noise_variance, dtype=np.float64).reshape(-1),
+                                              device))
         self.step, self.retries, self.n_settled, self.n_redone_on_cpu = 0, 0, 0, 0
         self.settled_on_device = []  # per part or slab settled on the device: windows it redid (device scalars)
         self._settled_counts = None  # their copies on the host (``download_counts``)

@@ -1,7 +1,7 @@
 """The Marchenko-Pastur threshold on the device, and how sure a float32 run can be of the rank it gives.
 
 ``threshold_on_device``: one Triton program per window holds its m eigenvalues in registers and decides the
-rank, the noise variance and, given the eigenvalues' uncertainty ``delta``, whether the rank is settled: the
+rank and the noise variance (estimated, or given: ``estimators.given_noise_threshold``) and, given the eigenvalues' uncertainty ``delta``, whether the rank is settled: the
 rank under the eigenvalues moved by ``delta`` (all up, all down, spread apart, drawn together) stays the
 same. One launch instead of ~125 torch launches over the batch for the estimator and its four moved copies.
 Same arithmetic as ``estimators.marchenko_pastur_threshold`` (the CPU's code and the tests' reference), in
@@ -73,13 +73,39 @@ def _rank_of(values, index, n_voxels, n_volumes, m: tl.constexpr, EXP1: tl.const
 
 
 @triton.jit
-def _threshold_kernel(values_ptr, n_voxels_ptr, delta_ptr, rank_ptr, sigma2_ptr, unsettled_ptr, n_volumes,
-                      m: tl.constexpr, BLOCK: tl.constexpr, EXP1: tl.constexpr, SETTLE: tl.constexpr):
+def _given_rank_of(values, index, n_voxels, n_volumes, given, m: tl.constexpr):
+    """The rank ``estimators.given_noise_threshold`` gives for one window's ascending eigenvalues and its
+    given noise variance ``given``: the usable lambda_i above the edge sigma^2 (1 + sqrt(r / q))^2."""
+    r = tl.minimum(n_voxels, n_volumes).to(tl.float64)
+    q = tl.maximum(n_voxels, n_volumes).to(tl.float64)
+    usable = (index.to(tl.float64) >= m - r) & (index < m)
+    edge = given * (1.0 + tl.sqrt(r / q)) * (1.0 + tl.sqrt(r / q))
+    signal = usable & (tl.maximum(values, 0.0) / q > edge)
+    return tl.sum(signal.to(tl.int64), axis=0)
+
+
+@triton.jit
+def _window_rank(values, index, n_voxels, n_volumes, given, m: tl.constexpr, EXP1: tl.constexpr,
+                 GIVEN: tl.constexpr):
+    """(rank, noise variance) of one window: the estimator's, or with ``GIVEN`` the given variance's."""
+    if GIVEN:
+        rank = _given_rank_of(values, index, n_voxels, n_volumes, given, m)
+        sigma2 = given
+    else:
+        rank, sigma2 = _rank_of(values, index, n_voxels, n_volumes, m, EXP1)
+    return rank, sigma2
+
+
+@triton.jit
+def _threshold_kernel(values_ptr, n_voxels_ptr, given_ptr, delta_ptr, rank_ptr, sigma2_ptr, unsettled_ptr,
+                      n_volumes, m: tl.constexpr, BLOCK: tl.constexpr, EXP1: tl.constexpr, GIVEN: tl.constexpr,
+                      SETTLE: tl.constexpr):
     window = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, BLOCK)
     values = tl.load(values_ptr + window * m + index, mask=index < m, other=0.0).to(tl.float64)
     n_voxels = tl.load(n_voxels_ptr + window).to(tl.int64)
-    rank, sigma2 = _rank_of(values, index, n_voxels, n_volumes, m, EXP1)
+    given = tl.load(given_ptr + window).to(tl.float64)  # (with GIVEN false: any number, unused)
+    rank, sigma2 = _window_rank(values, index, n_voxels, n_volumes, given, m, EXP1, GIVEN)
     tl.store(rank_ptr + window, rank)
     tl.store(sigma2_ptr + window, sigma2)
     if SETTLE:
@@ -89,19 +115,20 @@ def _threshold_kernel(values_ptr, n_voxels_ptr, delta_ptr, rank_ptr, sigma2_ptr,
             ramp = index.to(tl.float64) * (2.0 / (m - 1)) - 1.0
         else:
             ramp = index.to(tl.float64) * 0.0 - 1.0
-        up, _ = _rank_of(values + delta, index, n_voxels, n_volumes, m, EXP1)
-        down, _ = _rank_of(values - delta, index, n_voxels, n_volumes, m, EXP1)
-        apart, _ = _rank_of(values + delta * ramp, index, n_voxels, n_volumes, m, EXP1)
-        together, _ = _rank_of(values - delta * ramp, index, n_voxels, n_volumes, m, EXP1)
+        up, _ = _window_rank(values + delta, index, n_voxels, n_volumes, given, m, EXP1, GIVEN)
+        down, _ = _window_rank(values - delta, index, n_voxels, n_volumes, given, m, EXP1, GIVEN)
+        apart, _ = _window_rank(values + delta * ramp, index, n_voxels, n_volumes, given, m, EXP1, GIVEN)
+        together, _ = _window_rank(values - delta * ramp, index, n_voxels, n_volumes, given, m, EXP1, GIVEN)
         moved = (up != rank) | (down != rank) | (apart != rank) | (together != rank)
         tl.store(unsettled_ptr + window, moved.to(tl.int8))
 
 
-def threshold_on_device(values, n_voxels, n_volumes: int, estimator: str, delta=None):
-    """``marchenko_pastur_threshold(values, n_voxels, n_volumes, estimator)`` and, with ``delta`` ((B, 1) or
-    (B,)), whether each rank is unsettled (it changes when the eigenvalues move by ``delta``), in one launch:
-    (rank int64, sigma2 float64, unsettled bool or None), all (B,). ``values`` (B, m) ascending;
-    ``n_voxels`` (B,) integers; ``n_volumes`` a number."""
+def threshold_on_device(values, n_voxels, n_volumes: int, estimator: str, delta=None, given=None):
+    """``marchenko_pastur_threshold(values, n_voxels, n_volumes, estimator)``, or with ``given`` ((B,) noise
+    variances) ``given_noise_threshold(values, n_voxels, n_volumes, given)`` and ``given`` as the variance,
+    and, with ``delta`` ((B, 1) or (B,)), whether each rank is unsettled (it changes when the eigenvalues
+    move by ``delta``), in one launch: (rank int64, sigma2 float64, unsettled bool or None), all (B,).
+    ``values`` (B, m) ascending; ``n_voxels`` (B,) integers; ``n_volumes`` a number."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
     if values.ndim != 2:
@@ -113,10 +140,12 @@ def threshold_on_device(values, n_voxels, n_volumes: int, estimator: str, delta=
     sigma2 = torch.empty(batch, dtype=torch.float64, device=values.device)
     unsettled = torch.empty(batch, dtype=torch.int8, device=values.device) if delta is not None else None
     delta = delta.reshape(-1).to(torch.float64).contiguous() if delta is not None else sigma2
+    given_values = given.reshape(-1).to(torch.float64).contiguous() if given is not None else sigma2
     if batch:
-        _threshold_kernel[(batch,)](values, n_voxels, delta, rank, sigma2, rank if unsettled is None else unsettled,
-                                    int(n_volumes), m, BLOCK=max(16, triton.next_power_of_2(m)),
-                                    EXP1=estimator == "exp1", SETTLE=unsettled is not None, num_warps=1)
+        _threshold_kernel[(batch,)](values, n_voxels, given_values, delta, rank, sigma2,
+                                    rank if unsettled is None else unsettled, int(n_volumes), m,
+                                    BLOCK=max(16, triton.next_power_of_2(m)), EXP1=estimator == "exp1",
+                                    GIVEN=given is not None, SETTLE=unsettled is not None, num_warps=1)
     return rank, sigma2, None if unsettled is None else unsettled.bool()
 
 
