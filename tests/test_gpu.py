@@ -561,4 +561,29 @@ def test_a_given_noise_level_matches_cpu(options, given):
     noisy[10, 11, 12, 7] = np.nan
     sigma = np.random.default_rng(24).uniform(3.0, 4.0, size=noisy.shape[:3]) * mask
     gpu, cpu = compare(noisy, mask, noise=3.5 if given == "number" else sigma, **options)
-    assert gpu.info["noise"] == "given" and np.all(gpu.sigma[mask] < 4.0) and np.all(gpu.sigma[mask] > 3.0)
+    served = mask & np.isfinite(noisy).all(axis=3)
+    assert gpu.info["noise"] == "given" and np.all(gpu.sigma[served] < 4.0) and np.all(gpu.sigma[served] > 3.0)
+    print(f"{gpu.info['n_settled_in_float64']} of {gpu.info['n_windows']} windows settled in float64")
+
+
+def test_a_slab_that_runs_out_of_memory_is_redone_thinner_on_the_device(monkeypatch):
+    """Out of memory while a slab's sums are allocated: the run's uploads are drained, and it starts over in
+    slabs of half as many x-planes, with the unlimited run's result."""
+    from mppca_nipype.engine.gpu import pipeline
+
+    noisy = low_rank_phantom((48, 40, 30), n_volumes=60, rank=5, sigma=5.0, seed=25)[0]
+    whole = denoise(noisy, device="cuda")
+    sums_class, plane = pipeline.SlabSums, 40 * 30
+
+    def sums(n_rows, *args, **kwargs):
+        if n_rows > 20 * plane:
+            import torch
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return sums_class(n_rows, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "SlabSums", sums)
+    thinner = denoise(noisy, device="cuda")
+    assert thinner.info["slab_retries"] == 2 and thinner.info["n_slabs"] > 1
+    rms = np.sqrt(np.mean((thinner.denoised.astype(np.float64) - whole.denoised) ** 2)
+                  / np.mean(whole.denoised.astype(np.float64) ** 2))
+    assert rms <= 1e-6

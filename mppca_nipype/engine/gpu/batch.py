@@ -158,8 +158,11 @@ class SlabWindows:
         if settle:
             if refine:
                 unsettled |= patch_rank >= refine - threshold.REFINE_GUARD
-            if rank_one:
-                unsettled |= unresolved_projectors(values, patch_rank, scale)
+            if rank_one or run.noise_variance is not None:
+                # (a given level may cut inside the noise bulk, where float32 mixes the eigenvectors on both
+                # sides of the cut: such windows are redone in float64)
+                unsettled |= unresolved_projectors(values, patch_rank,
+                                                   values[:, -1].clamp(min=0) if scale is None else scale)
             keep &= ~unsettled
             self._record_verdicts()
         projector = run.solver.projector(patch_rank)

@@ -120,7 +120,7 @@ class _GPURunOfSlabs:
         self.host_finite = (None if self.every_voxel_finite
                             else np.ascontiguousarray(finite.reshape(-1), dtype=np.float32))
         self.uploads = {}  # slab number -> what ``_upload`` returned, until its slab takes it
-        self.started_uploads = []  # every ``upload.Upload`` started (``abandon`` waits for them)
+        self.copies_queued = []  # every upload's futures (``abandon`` waits for them; they hold no tensor)
         self.options = options
 
     def run(self) -> PatchSums:
@@ -180,8 +180,8 @@ class _GPURunOfSlabs:
     def abandon(self):
         """After an error: wait for the uploads still under way (their threads write into memory the next
         run may reuse) and the device, and hand torch's cached device memory back."""
-        for upload in self.started_uploads:
-            upload.drain()
+        for queued in self.copies_queued:
+            queued.exception()  # (waits; an upload's own error is of no interest here)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -196,7 +196,7 @@ class _GPURunOfSlabs:
                 if self.kept_graphs is not None else None)
         with torch.cuda.stream(self.copies):
             upload = self.series.upload(rows, self.device, self.copies, into=into)
-        self.started_uploads.append(upload)
+        self.copies_queued += upload.queued
         return upload
 
     def _rows_of(self, number):

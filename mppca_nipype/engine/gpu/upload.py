@@ -127,12 +127,10 @@ class Upload:
             pass
         return self.tensor
 
-    def drain(self):
-        """Wait until every part's copy is queued or its thread has failed (after an error elsewhere in the
-        run: nothing of this upload is used), without raising."""
-        for queued in self._queued:
-            queued.exception()
-        self._queued.clear()
+    @property
+    def queued(self) -> list:
+        """The futures of the parts' copies still to arrive (each gives the event after its copy)."""
+        return list(self._queued)
 
 
 class _Countdown:
