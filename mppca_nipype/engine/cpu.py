@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 import multiprocessing
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -119,9 +120,26 @@ class WindowFit:
         return restored
 
 
-def fit_windows(volume, finite, plan, options, windows) -> WindowFit:
-    """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and run MP-PCA on
-    each: Gram matrix, all its eigenvalues, the threshold, then the kept eigenvectors (``lapack``)."""
+@dataclass
+class WindowSpectra:
+    """The eigenvalues of a batch of windows and what the threshold made of them: ``forms`` (``lapack``, the
+    eigenvalues and what ``leading_eigenvectors`` continues from), ``rank`` and ``sigma2`` (B,), and the
+    centred ``patches``, ``means``, ``time_side``, ``voxels`` and ``took_part`` as in ``WindowFit``."""
+
+    patches: np.ndarray
+    means: np.ndarray | None
+    forms: lapack.TridiagonalForms
+    time_side: bool
+    rank: np.ndarray
+    sigma2: np.ndarray
+    voxels: np.ndarray
+    took_part: np.ndarray
+
+
+def window_spectra(volume, finite, plan, options, windows) -> WindowSpectra:
+    """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and threshold
+    each: Gram matrix, all its eigenvalues (``lapack``), the Marchenko-Pastur rank and noise (or the given
+    noise's rank). No eigenvector is computed."""
     base = plan.window_base(windows)
     voxels = base[:, None] + plan.voxel_offsets[None, :]
     patches = volume[voxels].astype(np.float64)  # (B, n, T); left-out voxels are rows of zeros
@@ -151,8 +169,17 @@ def fit_windows(volume, finite, plan, options, windows) -> WindowFit:
         rank = given_noise_threshold(forms.eigenvalues, n_voxels, n_volumes, sigma2)
     else:
         rank, sigma2 = marchenko_pastur_threshold(forms.eigenvalues, n_voxels, n_volumes, options.estimator)
-    eigenvectors = lapack.leading_eigenvectors(forms, rank)
-    return WindowFit(patches, means, eigenvectors, time_side, rank, sigma2, voxels, took_part)
+    return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part)
+
+
+def fit_windows(volume, finite, plan, options, windows) -> WindowFit:
+    """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and run MP-PCA on
+    each: Gram matrix, all its eigenvalues, the threshold (``window_spectra``), then the kept eigenvectors
+    (``lapack``)."""
+    spectra = window_spectra(volume, finite, plan, options, windows)
+    eigenvectors = lapack.leading_eigenvectors(spectra.forms, spectra.rank)
+    return WindowFit(spectra.patches, spectra.means, eigenvectors, spectra.time_side, spectra.rank,
+                     spectra.sigma2, spectra.voxels, spectra.took_part)
 
 
 def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
@@ -236,9 +263,9 @@ def _attach(volume_name, volume_shape, finite_name, plan, options):
     _one_thread()
 
 
-def _run_unit_in_worker(unit):
+def _run_in_worker(work, unit):
     w = _WORKER
-    return run_unit(w["volume"], w["finite"], w["plan"], w["options"], unit)
+    return work(w["volume"], w["finite"], w["plan"], w["options"], unit)
 
 
 def _shared_memory(nbytes):
@@ -320,6 +347,40 @@ def _tests_main_name(test) -> bool:
             and {getattr(side, "value", None) for side in sides} >= {"__main__"})
 
 
+def run_units(work, data, finite_flat, plan, options, units, *, nprocs, context, add, progress=None):
+    """Run ``work(volume, finite_flat, plan, options, unit)`` (a module-level function) for every unit and hand
+    each result to ``add``, in unit order: in this process when ``context`` is None, else in ``nprocs`` worker
+    processes started by ``context`` (``_process_context``) that share the input (``_attach``)."""
+    n_voxels, n_volumes = len(finite_flat), data.shape[3]
+    if context is None:
+        volume = _voxel_major(data, np.empty)
+        undo = _one_thread()
+        try:
+            for done, unit in enumerate(units, 1):
+                add(work(volume, finite_flat, plan, options, unit))
+                if progress:
+                    progress(done, len(units))
+        finally:
+            undo()
+    else:
+        volume_shm, finite_shm = None, _shared_copy(finite_flat)
+        try:
+            volume_shm = _shared_memory(n_voxels * n_volumes * 4)
+            _voxel_major(data, lambda shape, dtype: np.ndarray(shape, dtype, buffer=volume_shm.buf))
+            with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
+                                     initargs=(volume_shm.name, (n_voxels, n_volumes), finite_shm.name,
+                                               plan, options)) as pool:
+                for done, result in enumerate(pool.map(partial(_run_in_worker, work), units), 1):
+                    add(result)
+                    if progress:
+                        progress(done, len(units))
+        finally:
+            for shm in (volume_shm, finite_shm):
+                if shm is not None:
+                    shm.close()
+                    shm.unlink()
+
+
 def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     """Run the plan on the CPU and return the per-voxel sums (``engine.PatchSums``)."""
     started = time.perf_counter()
@@ -353,34 +414,8 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
             sigma[start:stop] += slab_sigma
             rank[start:stop] += slab_rank
 
-    if nprocs == 1:
-        volume = _voxel_major(data, np.empty)
-        undo = _one_thread()
-        try:
-            for done, unit in enumerate(units, 1):
-                add(run_unit(volume, finite_flat, plan, options, unit))
-                if progress:
-                    progress(done, len(units))
-        finally:
-            undo()
-    else:
-        volume_shm, finite_shm = None, _shared_copy(finite_flat)
-        try:
-            volume_shm = _shared_memory(n_voxels * n_volumes * 4)
-            _voxel_major(data, lambda shape, dtype: np.ndarray(shape, dtype, buffer=volume_shm.buf))
-            with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
-                                     initargs=(volume_shm.name, (n_voxels, n_volumes), finite_shm.name,
-                                               plan, options)) as pool:
-                for done, result in enumerate(pool.map(_run_unit_in_worker, units), 1):
-                    add(result)
-                    if progress:
-                        progress(done, len(units))
-        finally:
-            for shm in (volume_shm, finite_shm):
-                if shm is not None:
-                    shm.close()
-                    shm.unlink()
-
+    run_units(run_unit, data, finite_flat, plan, options, units, nprocs=nprocs, context=context, add=add,
+              progress=progress)
     return PatchSums(image, weight, sigma, rank,
                      info=dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver="LAPACK dsytrd/dsterf/dstein",
                                seconds_engine=time.perf_counter() - started))
