@@ -1,12 +1,14 @@
 """mppca-nipype: fast Marchenko-Pastur PCA denoising of diffusion and functional MRI.
 
-Python users call :func:`denoise` on arrays; Nipype users add :class:`mppca_nipype.interfaces.MPPCADenoise`
-to a workflow; the command line has ``mppca-denoise`` (one file) and ``mppca-nipype`` (a BIDS app).
+Python users call :func:`denoise` on arrays (and :func:`estimate_noise` for the noise map alone); Nipype users
+add :class:`mppca_nipype.interfaces.MPPCADenoise` to a workflow; the command line has ``mppca-denoise`` (one
+file), ``mppca-noise`` (its noise map alone) and ``mppca-nipype`` (a BIDS app).
 """
 
-from .engine import DenoiseResult, MPPCAInputError, MPPCAWarning, denoise
+from .engine import DenoiseResult, MPPCAInputError, MPPCAWarning, NoiseResult, denoise, estimate_noise
 
-__all__ = ["denoise", "DenoiseResult", "MPPCAInputError", "MPPCAWarning", "__version__"]
+__all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "MPPCAInputError", "MPPCAWarning",
+           "__version__"]
 
 
 def __getattr__(name):

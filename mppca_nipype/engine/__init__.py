@@ -26,9 +26,10 @@ from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .layout import as_float32, empty_like_series, is_volume_major, planes_of_rows
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
-__all__ = ["denoise", "DenoiseResult", "DenoiseOptions", "MPPCAInputError", "MPPCAWarning",
-           "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "available_cpus", "check_device", "choose_device",
-           "resolve_gpu_memory", "resolve_noise", "resolve_options", "GPU_MEMORY_VARIABLE"]
+__all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "DenoiseOptions", "MPPCAInputError",
+           "MPPCAWarning", "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "NOISE_STRIDE", "available_cpus",
+           "check_device", "choose_device", "resolve_gpu_memory", "resolve_noise", "resolve_options",
+           "GPU_MEMORY_VARIABLE"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -36,6 +37,10 @@ MIN_VOLUMES = 3
 
 #: The defaults, chosen by measurement (docs/benchmarks.md, "Choosing the defaults").
 DEFAULTS = dict(extent="wide", stride=3, estimator="exp2", aggregation="weighted", demean="volume")
+
+#: ``estimate_noise``'s grid step: coarser than ``denoise``'s, chosen by measurement (docs/benchmarks.md,
+#: "The noise map alone").
+NOISE_STRIDE = 7
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -187,6 +192,38 @@ def check_data(data, mask):
     return as_float32(data), mask
 
 
+def check_nprocs(nprocs) -> None:
+    """Raise MPPCAInputError unless ``nprocs`` is None or a positive integer."""
+    if nprocs is not None and (isinstance(nprocs, bool) or int(nprocs) != nprocs or nprocs < 1):
+        raise MPPCAInputError(f"nprocs must be a positive integer, not {nprocs!r}")
+
+
+def _finite_input(data, mask):
+    """(the caller's series, the series with 0 for NaN/Inf, finite voxels, how many mask voxels were not);
+    warns about those voxels (as from the caller of the caller: ``denoise`` or ``estimate_noise``)."""
+    finite = _finite_voxels(data)
+    n_nonfinite = int(np.count_nonzero(mask & ~finite))
+    if n_nonfinite:
+        warnings.warn(f"{n_nonfinite} voxels hold NaN or Inf; they are left out of every patch and left "
+                      "as they were", MPPCAWarning, stacklevel=3)
+    raw = data
+    if n_nonfinite or not finite.all():
+        data = data.copy(order="K")
+        data[~finite] = 0
+    return raw, data, finite, n_nonfinite
+
+
+def _plan(data, mask, finite, options) -> PatchPlan:
+    """The patch plan; warns (as from the caller's caller) when patches or series are too small for MP-PCA."""
+    plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
+    t_eff = data.shape[3] - (options.demean == "voxel")
+    if plan.patch_size < FEW_SAMPLES or t_eff < FEW_SAMPLES:
+        warnings.warn(
+            f"patches of {plan.patch_size} voxels and {t_eff} usable volumes: MP-PCA is unreliable with "
+            f"fewer than {FEW_SAMPLES} of either", MPPCAWarning, stacklevel=3)
+    return plan
+
+
 def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
             estimator=DEFAULTS["estimator"],
             aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise=None, device="auto",
@@ -261,27 +298,12 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
                               aggregation=aggregation, demean=demean, noise=noise, mask=mask)
-    if nprocs is not None and (isinstance(nprocs, bool) or int(nprocs) != nprocs or nprocs < 1):
-        raise MPPCAInputError(f"nprocs must be a positive integer, not {nprocs!r}")
+    check_nprocs(nprocs)
     gpu_memory = resolve_gpu_memory(gpu_memory)
-
-    finite = _finite_voxels(data)
-    n_nonfinite = int(np.count_nonzero(mask & ~finite))
-    if n_nonfinite:
-        warnings.warn(f"{n_nonfinite} voxels hold NaN or Inf; they are left out of every patch and left "
-                      "as they were", MPPCAWarning, stacklevel=2)
-    raw = data
-    if n_nonfinite or not finite.all():
-        data = data.copy(order="K")
-        data[~finite] = 0
+    raw, data, finite, n_nonfinite = _finite_input(data, mask)
     lap("input check")
-    plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
+    plan = _plan(data, mask, finite, options)
     lap("plan")
-    t_eff = data.shape[3] - (options.demean == "voxel")
-    if plan.patch_size < FEW_SAMPLES or t_eff < FEW_SAMPLES:
-        warnings.warn(
-            f"patches of {plan.patch_size} voxels and {t_eff} usable volumes: MP-PCA is unreliable with "
-            f"fewer than {FEW_SAMPLES} of either", MPPCAWarning, stacklevel=2)
 
     chosen, choice = choose_device(device, data.shape, options, nprocs)
     backend = _backend(chosen)
@@ -311,6 +333,75 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
                             n_nonfinite_voxels=n_nonfinite, seconds=seconds))
     if choice:
         result.info["device_choice"] = choice
+    return result
+
+
+@dataclass
+class NoiseResult:
+    """What ``estimate_noise`` returns: the ``sigma`` and ``rank`` maps ((X, Y, Z) float32, 0 outside the
+    mask, as ``DenoiseResult``'s) and ``info`` (resolved options, backend, patch counts, ``seconds``)."""
+
+    sigma: np.ndarray
+    rank: np.ndarray
+    info: dict = field(default_factory=dict)
+
+
+def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=NOISE_STRIDE,
+                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
+                   demean=DEFAULTS["demean"], nprocs=None, progress=None) -> NoiseResult:
+    """The MP-PCA noise map of a 4D series, without denoising it.
+
+    Each window's Gram matrix is eigen-decomposed for its eigenvalues only and thresholded by the
+    Marchenko-Pastur law, exactly as in ``denoise``; no eigenvector is computed and nothing is reconstructed.
+    The windows' noise levels are aggregated to voxels as ``denoise`` aggregates them: with the same options
+    the ``sigma`` and ``rank`` maps are bit-identical to ``denoise``'s.
+
+    Parameters
+    ----------
+    data, mask, extent, estimator, aggregation, demean, nprocs, progress
+        As for ``denoise``.
+    stride : int
+        The grid step, as for ``denoise``; default NOISE_STRIDE: patches on a coarser grid than
+        ``denoise``'s, each voxel's sigma the weighted mean of the patches covering it (the step is capped at
+        the extent, so every voxel is covered) (docs/benchmarks.md, "The noise map alone").
+
+    Returns
+    -------
+    NoiseResult
+        ``sigma`` (the noise standard deviation) and ``rank`` maps, and ``info``.
+
+    Runs on the CPU engine's worker processes (``engine.noise``).
+    """
+    from .noise import noise_cpu
+
+    seconds, last = {}, time.perf_counter()
+
+    def lap(phase):
+        nonlocal last
+        now = time.perf_counter()
+        seconds[phase], last = round(now - last, 4), now
+
+    data, mask = check_data(data, mask)
+    options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
+                              aggregation=aggregation, demean=demean)
+    check_nprocs(nprocs)
+    _, data, finite, n_nonfinite = _finite_input(data, mask)
+    lap("input check")
+    plan = _plan(data, mask, finite, options)
+    lap("plan")
+    sums = noise_cpu(data, finite, plan, options, nprocs=nprocs, progress=progress)
+    lap("backend")
+    shape3 = data.shape[:3]
+    served = (sums.weight > 0).reshape(shape3) & mask & finite
+    weight = np.where(served.ravel(), sums.weight, 1.0)  # as ``_finish`` divides them
+    sigma, rank = (sums.sigma / weight).reshape(shape3), (sums.rank / weight).reshape(shape3)
+    result = NoiseResult(np.where(served, sigma, 0).astype(np.float32), np.where(served, rank, 0).astype(np.float32))
+    lap("output")
+    result.info.update(sums.info)
+    result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
+                            aggregation=options.aggregation, demean=options.demean, noise="estimated",
+                            n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
+                            n_nonfinite_voxels=n_nonfinite, seconds=seconds))
     return result
 
 
