@@ -1,14 +1,18 @@
-"""The noise map alone (``estimate_noise``).
+"""The noise map alone (``estimate_noise``; ``mppca-noise IN SIGMA`` and its alias ``mppca-denoise --noise-only``).
 
 At the options of a ``denoise`` run, stride included, it must give that run's noise and rank maps bit for bit
 (the same windows, batches, thresholds and sums, without eigenvectors or reconstruction); at its own default
-stride, a map close to the full run's and to the truth.
+stride, a map close to the full run's and to the truth. The commands write the map and nothing else, and a
+bad input is one sentence, a non-zero exit and no file.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
+import nibabel as nib
 import numpy as np
 import pytest
 
@@ -98,3 +102,99 @@ def test_bad_options_are_refused(options, match):
     data, _, _ = case_data("time-side")
     with pytest.raises(MPPCAInputError, match=match):
         estimate_noise(data, **options)
+
+
+# -- the commands ------------------------------------------------------------------------------------------
+
+SHAPE, N_VOLUMES = (12, 10, 9), 20
+
+
+def run_command(module, *args):
+    command = [sys.executable, "-m", f"mppca_nipype.cli.{module}", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def series():
+    noisy, _ = low_rank_phantom(SHAPE, N_VOLUMES, rank=3, sigma=4.0, seed=7)
+    return noisy
+
+
+@pytest.fixture
+def series_path(tmp_path, series):
+    affine = np.diag([2.0, 2.0, 2.5, 1.0])
+    nib.save(nib.Nifti1Image(series, affine), tmp_path / "bold.nii.gz")
+    return tmp_path / "bold.nii.gz"
+
+
+def test_mppca_noise_writes_the_estimate_noise_map_on_the_input_grid(tmp_path, series_path, series):
+    result = run_command("noise", series_path, tmp_path / "sigma.nii.gz", "--rank", tmp_path / "rank.nii",
+                         "--nprocs", "1")
+    assert result.returncode == 0, result.stderr
+    expected = estimate_noise(series, nprocs=1)
+    sigma, rank = nib.load(tmp_path / "sigma.nii.gz"), nib.load(tmp_path / "rank.nii")
+    assert sigma.shape == SHAPE and sigma.get_data_dtype() == np.float32
+    np.testing.assert_array_equal(sigma.affine, nib.load(series_path).affine)
+    np.testing.assert_array_equal(np.asarray(sigma.dataobj), expected.sigma)
+    np.testing.assert_array_equal(np.asarray(rank.dataobj), expected.rank)
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("mppca-noise: estimated the noise of 12x10x9x20 in ") and f"stride {NOISE_STRIDE}" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bold.nii.gz", "rank.nii", "sigma.nii.gz"]
+
+
+def test_mppca_noise_at_denoise_s_options_writes_mppca_denoise_s_noise_map(tmp_path, series_path):
+    options = ["--stride", "3", "--nprocs", "1", "--quiet"]
+    assert run_command("noise", series_path, tmp_path / "alone.nii", *options).returncode == 0
+    assert run_command("denoise", series_path, tmp_path / "out.nii", "--noise", tmp_path / "full.nii",
+                       "--device", "cpu", *options).returncode == 0
+    assert (np.asarray(nib.load(tmp_path / "alone.nii").dataobj).tobytes()
+            == np.asarray(nib.load(tmp_path / "full.nii").dataobj).tobytes())
+
+
+def test_noise_only_is_the_same_command(tmp_path, series_path):
+    alias = run_command("denoise", series_path, "--noise-only", "--noise", tmp_path / "a.nii", "--nprocs", "1")
+    primary = run_command("noise", series_path, tmp_path / "b.nii", "--nprocs", "1")
+    assert alias.returncode == primary.returncode == 0
+    assert alias.stderr.startswith("mppca-denoise: estimated the noise of") and f"stride {NOISE_STRIDE}" in alias.stderr
+    assert (tmp_path / "a.nii").read_bytes() == (tmp_path / "b.nii").read_bytes()
+    assert not (tmp_path / "out.nii").exists()
+
+
+def _with(*options, output="sigma.nii.gz"):
+    return lambda tmp_path: [tmp_path / "bold.nii.gz", tmp_path / output,
+                             *(str(o).replace("TMP", str(tmp_path)) for o in options)]
+
+
+BAD = {
+    "output over the input": ("noise", _with(output="bold.nii.gz"), 2, "would overwrite the input"),
+    "rank over the map": ("noise", _with("--rank", "TMP/sigma.nii.gz"), 2, "also given as another output"),
+    "center with stride 7": ("noise", _with("--aggregation", "center"), 2, "needs stride 1"),
+    "even extent": ("noise", _with("--extent", "4"), 2, "--extent"),
+    "missing folder": ("noise", _with(output="absent/sigma.nii.gz"), 1, "does not exist"),
+    "not NIfTI": ("noise", _with(output="sigma.mif"), 1, ".nii or .nii.gz"),
+    "missing input": ("noise", lambda tmp_path: [tmp_path / "absent.nii.gz", tmp_path / "sigma.nii"], 1,
+                      "does not exist"),
+    "noise-only with OUT": ("denoise", lambda tmp_path: [tmp_path / "bold.nii.gz", tmp_path / "out.nii",
+                                                         "--noise-only", "--noise", tmp_path / "s.nii"], 2,
+                            "takes no OUT"),
+    "noise-only without --noise": ("denoise", lambda tmp_path: [tmp_path / "bold.nii.gz", "--noise-only"], 2,
+                                   "needs IN and --noise SIGMA"),
+    "noise-only with --noise-in": ("denoise", lambda tmp_path: [tmp_path / "bold.nii.gz", "--noise-only", "--noise",
+                                                                tmp_path / "s.nii", "--noise-in", "3"], 2,
+                                   "takes no --noise-in"),
+    "noise-only on cuda": ("denoise", lambda tmp_path: [tmp_path / "bold.nii.gz", "--noise-only", "--noise",
+                                                        tmp_path / "s.nii", "--device", "cuda"], 2,
+                           "runs on the CPU"),
+}
+
+
+@pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
+def test_bad_input_fails_with_one_sentence_and_writes_nothing(tmp_path, series_path, case):
+    module, make_args, status, phrase = case
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = run_command(module, *make_args(tmp_path), "--nprocs", "1")
+    assert result.returncode == status
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"mppca-{module}: error: ") and phrase in line, line
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -254,20 +254,23 @@ def add_gpu_memory_option(parser) -> None:
                              "this process)")
 
 
-def add_denoising_options(parser) -> None:
-    """The denoising options of every command (``mppca-denoise``, ``mppca-nipype``): same names, defaults
-    from the engine."""
+def add_denoising_options(parser, *, stride=None, stride_unset=False) -> None:
+    """The denoising options of every command (``mppca-denoise``, ``mppca-noise``, ``mppca-nipype``): same
+    names, defaults from the engine. ``stride``: the command's default grid step (the engine's by default);
+    ``stride_unset``: leave ``args.stride`` None when not given, for a command whose default depends on other
+    options (``mppca-denoise --noise-only``)."""
     from ..engine import DEFAULTS
     from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 
+    stride = DEFAULTS["stride"] if stride is None else stride
     parser.add_argument("--extent", type=parse_extent, default=DEFAULTS["extent"], metavar="auto|wide|N|X,Y,Z",
                         help="patch size in voxels, odd; 'auto' is the smallest odd e with e^3 >= T, capped "
                              "at the image size (dwidenoise's rule); 'wide' is the same but at least 7 "
                              "(default: %(default)s)")
-    parser.add_argument("--stride", type=positive_int, default=DEFAULTS["stride"], metavar="S",
+    parser.add_argument("--stride", type=positive_int, default=None if stride_unset else stride, metavar="S",
                         help="1: every voxel is the centre of its own patch (dwidenoise); S > 1: patches "
-                             "on a grid of step S plus one flush against each far edge, fewer patches and "
-                             "faster (default: %(default)s)")
+                             "on a grid of step S (at most the extent) plus one flush against each far edge, "
+                             f"fewer patches and faster (default: {stride})")
     parser.add_argument("--estimator", choices=ESTIMATORS, default=DEFAULTS["estimator"],
                         help="Marchenko-Pastur noise estimator: exp1 (Veraart 2016) or exp2 (Cordero-Grande "
                              "2019, dwidenoise's default) (default: %(default)s)")
@@ -280,3 +283,89 @@ def add_denoising_options(parser) -> None:
                         help="the mean removed inside a patch before PCA (and added back after): volume, "
                              "the patch's mean time course (DIPY's centring); voxel, each voxel's temporal "
                              "mean; none, nothing (dwidenoise) (default: %(default)s)")
+
+
+def add_run_options(parser, *, work: str) -> None:
+    """``--nprocs``, ``--quiet`` and ``--timings`` of the one-file commands; ``work`` names the computing
+    phase in the timings (``denoise``, ``estimate``)."""
+    parser.add_argument("--nprocs", type=positive_int, metavar="N",
+                        help="CPU worker processes (default: the CPUs this process may use, at most "
+                             "SLURM_CPUS_PER_TASK under SLURM)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar and no summary; warnings and errors are still printed")
+    parser.add_argument("--timings", action="store_true",
+                        help="print where the time went: start-up (the interpreter and the imports), checks, "
+                             f"read (with decompression), {work} (its input check, plan, backend and output "
+                             "assembly), write (with compression)")
+
+
+# -- the files of the one-file commands ----------------------------------------------------------------
+
+def open_input(args):
+    """The input's header and the mask (``args.input``, ``args.mask``): (image, shape, mask or None). No voxel
+    of the series is read."""
+    from .. import io
+
+    image = io.open_series(args.input)
+    shape = tuple(image.shape)
+    mask = io.load_mask(args.mask, shape[:3]) if args.mask else None
+    return image, shape, mask
+
+
+def same_file(path, *others) -> bool:
+    """Whether ``path`` names the same file as any of ``others`` (after links and relative parts)."""
+    real = os.path.realpath(path)
+    return any(real == os.path.realpath(other) for other in others)
+
+
+def check_destinations(parser, outputs, sources) -> dict:
+    """The outputs (pairs (path, what), None paths left out) are distinct, none is one of the input files
+    ``sources`` (None entries ignored), and each can be written (``io.check_writable``); a clash is a usage
+    error. Returns {path: what} of the outputs given, in order."""
+    from .. import io
+
+    checked = {}
+    for path, what in outputs:
+        if path is None:
+            continue
+        if same_file(path, *checked):
+            parser.error(f"the {what} {path} is also given as another output")
+        checked[path] = what
+    for path, what in checked.items():
+        for source in sources:
+            if source is not None and same_file(path, source):
+                parser.error(f"the {what} {path} would overwrite the input {source}")
+        io.check_writable(path, what)
+    return checked
+
+
+def write_images(images: dict, reference, staged: dict, outputs: dict) -> None:
+    """Save each array of ``images`` ({path: array}) like ``reference`` into its staged file; a failure is one
+    sentence naming the output (``outputs``: {path: what})."""
+    from .. import io
+
+    for path in outputs:
+        try:
+            io.save_like(images[path], reference, staged[path], atomic=False)
+        except OSError as err:
+            raise MPPCAInputError(f"cannot write the {outputs[path]} {path}: {err.strerror or err}") from None
+
+
+def inside_voxels(shape, mask, data, info) -> "np.ndarray":
+    """The voxels a run computed: the mask (all without one) less those whose series is not finite."""
+    import numpy as np
+
+    inside = np.ones(shape[:3], bool) if mask is None else mask.copy()
+    if info.get("n_nonfinite_voxels"):  # (else every voxel in the mask was: no pass over the series)
+        inside &= np.isfinite(data).all(axis=3)
+    return inside
+
+
+def where_it_ran(info) -> str:
+    """'cpu, 2 processes' or 'cuda on NVIDIA H200' from a result's ``info``."""
+    where = info.get("backend", "?")
+    if info.get("device") not in (None, where):
+        where += f" on {info['device']}"
+    if info.get("backend") == "cpu" and "nprocs" in info:
+        where += f", {info['nprocs']} process{'es' if info['nprocs'] != 1 else ''}"
+    return where

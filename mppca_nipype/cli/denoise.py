@@ -23,16 +23,19 @@ import warnings
 import numpy as np
 
 from .. import io
-from ..engine import (DEVICES, MIN_VOLUMES, MPPCAInputError, MPPCAWarning, check_device, choose_device, denoise,
-                      resolve_noise, resolve_options)
+from ..engine import (DEFAULTS, DEVICES, MIN_VOLUMES, NOISE_STRIDE, MPPCAInputError, MPPCAWarning, check_device,
+                      choose_device, denoise, resolve_noise, resolve_options)
 from ..phases import Phases, process_age
-from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option, add_version_option,
-                     leave_now_after_the_gpu, positive_int, say, user_errors, warnings_as_lines)
+from . import noise as noise_only
+from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option, add_run_options,
+                     add_version_option, check_destinations, inside_voxels, leave_now_after_the_gpu, open_input, say, user_errors,
+                     warnings_as_lines, where_it_ran, write_images)
 
 PROG = "mppca-denoise"
 
 USAGE = """\
 %(prog)s [options] IN OUT
+       %(prog)s --noise-only --noise SIGMA [options] IN
        %(prog)s --warm-up [T,...] [options]"""
 
 #: The numbers of volumes ``--warm-up`` compiles for when none are given: a DWI of 48 volumes (the tridiagonal
@@ -55,6 +58,9 @@ MRtrix3 dwidenoise's mode is --extent auto
 stride 3, weighted aggregation, volume demeaning, exp2) were chosen by
 measurement (docs/benchmarks.md).
 
+--noise-only is mppca-noise IN SIGMA: the noise map alone, without denoising,
+on a coarser grid (stride 7 unless --stride is given).
+
 exit status: 0 done; 1 the input cannot be denoised or an output cannot be
 written; 2 the command line is wrong; 130 interrupted (Ctrl-C); 143 terminated
 (SIGTERM). On any failure no output file is left behind."""
@@ -74,7 +80,10 @@ def build_parser() -> ArgumentParser:
                              "one given by --noise-in")
     parser.add_argument("--rank", metavar="FILE",
                         help="also write the 3D map of the number of signal components kept")
-    add_denoising_options(parser)
+    parser.add_argument("--noise-only", action="store_true",
+                        help="write only the noise map (--noise), without denoising: mppca-noise IN SIGMA, the "
+                             f"same run; without OUT; the default stride is then {NOISE_STRIDE}")
+    add_denoising_options(parser, stride_unset=True)
     parser.add_argument("--noise-in", type=noise_level, metavar="FILE|NUMBER",
                         help="a given noise level (standard deviation) instead of each patch's estimate: one "
                              "positive number, or a 3D NIfTI map on IN's voxel grid (positive inside the "
@@ -85,16 +94,8 @@ def build_parser() -> ArgumentParser:
                              "finish first, its start included, else the CPU (where the GPU may win and be "
                              "present, asking CUDA imports torch: 2-3 s); cpu: no GPU probe "
                              "(default: %(default)s)")
-    parser.add_argument("--nprocs", type=positive_int, metavar="N",
-                        help="CPU worker processes (default: the CPUs this process may use, at most "
-                             "SLURM_CPUS_PER_TASK under SLURM)")
+    add_run_options(parser, work="denoise")
     add_gpu_memory_option(parser)
-    parser.add_argument("--quiet", action="store_true",
-                        help="no progress bar and no summary; warnings and errors are still printed")
-    parser.add_argument("--timings", action="store_true",
-                        help="print where the time went: start-up (the interpreter and the imports), checks, "
-                             "read (with decompression), denoise (its input check, plan, backend and output "
-                             "assembly), write (with compression)")
     parser.add_argument("--warm-up", nargs="?", const=WARM_UP_VOLUMES, type=volume_counts, metavar="T,...",
                         help="instead of denoising a file, compile the GPU engine's kernels for series of T "
                              "volumes in the mode the options describe and in dwidenoise's (default: "
@@ -130,6 +131,21 @@ def volume_counts(text: str) -> tuple[int, ...]:
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.noise_only:
+        given = [name for name, value in (("OUT", args.output), ("--noise-in", args.noise_in),
+                                          ("--warm-up", args.warm_up)) if value is not None]
+        if given:
+            parser.error(f"--noise-only writes the noise map alone (--noise SIGMA) and takes no {', '.join(given)}")
+        if args.input is None or args.noise is None:
+            parser.error("--noise-only needs IN and --noise SIGMA, the noise map to write")
+        if args.device == "cuda":
+            parser.error("--noise-only runs on the CPU; leave out --device cuda")
+        args.output, args.stride = args.noise, NOISE_STRIDE if args.stride is None else args.stride
+        with warnings_as_lines(PROG), user_errors(PROG):
+            noise_only.run(args, parser, prog=PROG)
+        return
+    if args.stride is None:
+        args.stride = DEFAULTS["stride"]
     if args.warm_up is not None:
         given = [name for name, value in (("IN", args.input), ("OUT", args.output), ("--mask", args.mask),
                                           ("--noise", args.noise), ("--rank", args.rank),
@@ -166,14 +182,9 @@ def run(args, parser) -> None:
             result = denoise(data, mask, **options, device=args.device, nprocs=args.nprocs,
                              gpu_memory=args.gpu_memory, progress=progress)
         phases.parts_of("denoise", result.info["seconds"])
-        maps = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
+        images = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
         with phases("write"):
-            for path in outputs:
-                try:
-                    io.save_like(maps[path], image, staged[path], atomic=False)
-                except OSError as err:
-                    raise MPPCAInputError(f"cannot write the {outputs[path]} {path}: "
-                                          f"{err.strerror or err}") from None
+            write_images(images, image, staged, outputs)
 
     if not args.quiet:
         say(summary(result, data, mask, time.perf_counter() - started))
@@ -184,10 +195,7 @@ def run(args, parser) -> None:
 def _checked(args, parser):
     """Every check before a voxel is read: the input's header, the mask, the options, the device, the
     destinations (distinct, not an input, writable). Returns (image, mask, options, {output: label})."""
-    # the input's header and the mask: shapes only, no voxel of the series is read yet
-    image = io.open_series(args.input)
-    shape = tuple(image.shape)
-    mask = io.load_mask(args.mask, shape[:3]) if args.mask else None
+    image, shape, mask = open_input(args)  # shapes only: no voxel of the series is read yet
     options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
                    aggregation=args.aggregation, demean=args.demean)
     try:
@@ -204,17 +212,9 @@ def _checked(args, parser):
     choose_device(args.device, shape, resolved, args.nprocs)
 
     # the destinations: distinct, not an input, writable (proved by creating their temporary files)
-    outputs = {args.output: "output"}
-    for path, what in ((args.noise, "noise map"), (args.rank, "rank map")):
-        if path is not None:
-            if _same_file(path, *outputs):
-                parser.error(f"the {what} {path} is also given as another output")
-            outputs[path] = what
-    for path, what in outputs.items():
-        for source in (args.input, args.mask, args.noise_in if isinstance(args.noise_in, str) else None):
-            if source is not None and _same_file(path, source):
-                parser.error(f"the {what} {path} would overwrite the input {source}")
-        io.check_writable(path, what)
+    outputs = check_destinations(parser, [(args.output, "output"), (args.noise, "noise map"),
+                                          (args.rank, "rank map")],
+                                 (args.input, args.mask, args.noise_in if isinstance(args.noise_in, str) else None))
     return image, mask, options, outputs
 
 
@@ -299,29 +299,15 @@ def _kernel_counts(counts: Counter) -> str:
 
 def summary(result, data, mask, seconds: float) -> str:
     """One line: size, time, where it ran, and the median noise and rank over the denoised voxels."""
-    info = result.info
-    where = info.get("backend", "?")
-    if info.get("device") not in (None, where):
-        where += f" on {info['device']}"
-    if info.get("backend") == "cpu" and "nprocs" in info:
-        where += f", {info['nprocs']} process{'es' if info['nprocs'] != 1 else ''}"
-    denoised = np.ones(data.shape[:3], bool) if mask is None else mask.copy()
-    if info.get("n_nonfinite_voxels"):  # (else every voxel in the mask was: no pass over the series)
-        denoised &= np.isfinite(data).all(axis=3)
+    denoised = inside_voxels(data.shape, mask, data, result.info)
     count = int(np.count_nonzero(denoised))
     if count:
         medians = (f"median noise {np.median(result.sigma[denoised]):.4g}, "
                    f"median rank {np.median(result.rank[denoised]):.3g} in {count} voxels")
     else:
         medians = "no voxel was denoised"
-    return (f"{PROG}: denoised {'x'.join(map(str, data.shape))} in {seconds:.1f} s ({where}); "
+    return (f"{PROG}: denoised {'x'.join(map(str, data.shape))} in {seconds:.1f} s ({where_it_ran(result.info)}); "
             f"{medians}")
-
-
-def _same_file(path, *others) -> bool:
-    """Whether ``path`` names the same file as any of ``others`` (after links and relative parts)."""
-    real = os.path.realpath(path)
-    return any(real == os.path.realpath(other) for other in others)
 
 
 if __name__ == "__main__":
