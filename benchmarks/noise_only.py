@@ -9,8 +9,8 @@ and rms of sigma_hat / sigma - 1 in the mask, as ``cpu_peers.py`` measures it). 
 the same function: the script checks that they are bit-identical.
 
 With ``--files``, the same comparison as commands run as a user runs them, each a new process, file to
-file: ``mppca-denoise IN OUT --noise SIGMA`` against ``mppca-noise IN SIGMA`` (default stride), both
-``--device cpu --nprocs N``, on the first phantom written as ``.nii``.
+file: ``mppca-denoise IN OUT --noise SIGMA --device cpu`` against ``mppca-noise IN SIGMA`` (default stride),
+both ``--nprocs N``, on the first phantom written as ``.nii``.
 
 Usage (from the repository root)::
 
@@ -77,11 +77,11 @@ def command_times(phantom, threads, repeats) -> dict:
         folder = Path(folder)
         series = folder / "series.nii"
         write_series(series, phantom.noisy)
-        common = ["--device", "cpu", "--nprocs", str(threads), "--quiet"]
+        common = ["--nprocs", str(threads), "--quiet"]
         commands = {
             "mppca-denoise IN OUT --noise SIGMA": [sys.executable, "-m", "mppca_nipype.cli.denoise", str(series),
                                                    str(folder / "out.nii"), "--noise", str(folder / "s1.nii"),
-                                                   *common],
+                                                   "--device", "cpu", *common],
             "mppca-noise IN SIGMA": [sys.executable, "-m", "mppca_nipype.cli.noise", str(series),
                                      str(folder / "s2.nii"), *common],
         }
