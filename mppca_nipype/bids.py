@@ -18,6 +18,11 @@ or ``bold``) the derivative dataset holds, in the same sub-/ses-/datatype folder
     derivative's ``.bidsignore`` lists them (``BIDSIGNORE`` below), with ``logs/``.
 ``logs/CITATION.md``
     The methods boilerplate with its references.
+
+A given noise level (``--noise-in DIR``) is read from another derivative dataset in the same names: the
+``desc-noise`` map of each run, as this app (or ``mppca-noise`` writing into those names) left it
+(``given_noise_map``). That dataset is ``DatasetLinks["noise"]``, and each sidecar names its map as
+``bids:noise:<path>`` in ``Sources``.
 ``sub-<label>/figures/<entities>_desc-<kind>_<suffix>.png`` and ``sub-<label>.html`` (unless --no-reports)
     The QC figures of each run (kinds: ``FIGURE_KINDS``; :mod:`mppca_nipype.reports` draws them) and one
     report page per subject, as fMRIPrep lays them out. Not BIDS files: ``.bidsignore`` lists them.
@@ -57,7 +62,13 @@ MAPS = {
     "noise": ("noise", "map", "Noise standard deviation estimated by MP-PCA (same units as the input)"),
     "rank": ("rank", "map", "Number of signal components kept by MP-PCA (mean over the patches used)"),
 }
+#: The noise map's description when the noise level was given (``--noise-in``), not estimated.
+GIVEN_NOISE_DESCRIPTION = ("Noise standard deviation given to MP-PCA (--noise-in), as the patches used it (the "
+                           "mean over each patch, combined as the estimate is)")
 DENOISED_DESC = "denoised"
+
+#: The ``DatasetLinks`` key of the derivative dataset that gave the noise maps (``--noise-in DIR``).
+NOISE_LINK = "noise"
 
 #: The QC figures of a run, in page order: each is ``desc-<kind>`` in the figure's name.
 FIGURE_KINDS = ("slices", "maps", "residuals", "spectra")
@@ -187,6 +198,50 @@ def derivative_names(source_relpath) -> dict:
         names["bval"] = name(None, suffix) + ".bval"
         names["bvec"] = name(None, suffix) + ".bvec"
     return names
+
+
+def given_noise_map(source_relpath, noise_dir) -> Path:
+    """Where the noise map of the raw run at ``source_relpath`` lies in the derivative dataset ``noise_dir``: its
+    ``desc-noise`` map under this app's name (``derivative_names``), ``.nii.gz`` or else ``.nii`` (the first
+    that exists; the ``.nii.gz`` name when neither does)."""
+    name = Path(noise_dir) / derivative_names(source_relpath)["noise"]
+    stem = _NIFTI.sub("", name.name)
+    for candidate in (name.with_name(stem + ".nii.gz"), name.with_name(stem + ".nii")):
+        if candidate.is_file():
+            return candidate
+    return name.with_name(stem + ".nii.gz")
+
+
+def check_given_noise_maps(runs, noise_dir) -> dict:
+    """{run.relpath: its noise map in ``noise_dir``} (``given_noise_map``), each checked to exist and to be a
+    3D image on its run's grid (headers only); MPPCAInputError naming the first runs without a usable one."""
+    import nibabel as nib
+
+    maps, problems = {}, []
+    for run in runs:
+        path = given_noise_map(run.relpath, noise_dir)
+        if not path.is_file():
+            problems.append(f"{run.name} has none ({path.relative_to(noise_dir)} is missing)")
+            continue
+        try:
+            shape, grid = tuple(nib.load(str(path)).shape), tuple(nib.load(str(run.path)).shape[:3])
+        except Exception as err:  # noqa: BLE001 - any unreadable header is the same problem to the user
+            problems.append(f"{path.name} cannot be read ({' '.join(str(err).split())[:100]})")
+            continue
+        if shape[:3] != grid or len(shape) > 4 or (len(shape) == 4 and shape[3] != 1):
+            problems.append(f"{path.name} has shape {shape}, but {run.name}'s grid is {grid}")
+            continue
+        maps[run.relpath] = path
+    if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise MPPCAInputError(f"--noise-in {noise_dir} has no usable noise map for {len(problems)} of {len(runs)} "
+                              f"runs: {'; '.join(problems[:3])}{more}")
+    return maps
+
+
+def noise_uri(noise_map, noise_dir) -> str:
+    """A given noise map as a BIDS URI into the ``NOISE_LINK`` dataset: ``bids:noise:sub-01/...``."""
+    return f"bids:{NOISE_LINK}:{PurePosixPath(Path(noise_map).resolve().relative_to(Path(noise_dir).resolve()))}"
 
 
 def report_names(source_relpath) -> dict:
@@ -346,8 +401,9 @@ def query_runs(layout, *, participants=None, sessions=None, datatypes=("dwi", "f
 
 # ------------------------------------------------------------------------------------ dataset-level files
 
-def dataset_description(bids_dir) -> dict:
-    """The derivative's dataset_description.json."""
+def dataset_description(bids_dir, noise_dir=None) -> dict:
+    """The derivative's dataset_description.json; ``noise_dir``: the dataset that gave the noise maps, linked as
+    ``NOISE_LINK``."""
     from . import __version__
 
     raw_path = Path(bids_dir) / "dataset_description.json"
@@ -358,13 +414,17 @@ def dataset_description(bids_dir) -> dict:
     source = {"URL": Path(bids_dir).resolve().as_uri()}
     if raw.get("DatasetDOI"):
         source["DOI"] = raw["DatasetDOI"]
+    sources, links = [source], {"raw": Path(bids_dir).resolve().as_uri()}
+    if noise_dir is not None:
+        links[NOISE_LINK] = Path(noise_dir).resolve().as_uri()
+        sources.append({"URL": links[NOISE_LINK]})
     return {
         "Name": f"MP-PCA denoised: {raw.get('Name', Path(bids_dir).name)}",
         "BIDSVersion": BIDS_VERSION,
         "DatasetType": "derivative",
         "GeneratedBy": [{"Name": PIPELINE_NAME, "Version": __version__, "CodeURL": CODE_URL}],
-        "SourceDatasets": [source],
-        "DatasetLinks": {"raw": Path(bids_dir).resolve().as_uri()},
+        "SourceDatasets": sources,
+        "DatasetLinks": links,
         "HowToAcknowledge": "Cite Veraart et al. 2016 and Cordero-Grande et al. 2019; "
                             "logs/CITATION.md has a methods paragraph.",
     }
@@ -383,7 +443,7 @@ def owner_of(output_dir):
     return None if name == PIPELINE_NAME else (name or "another tool")
 
 
-def write_dataset_files(output_dir, bids_dir, citation: str):
+def write_dataset_files(output_dir, bids_dir, citation: str, noise_dir=None):
     """dataset_description.json, .bidsignore, README.md (when absent) and logs/CITATION.md.
 
     Under the dataset lock, each file written atomically: runs sharing OUTPUT_DIR (an array job's tasks)
@@ -395,7 +455,7 @@ def write_dataset_files(output_dir, bids_dir, citation: str):
         files = [output_dir / name for name in ("dataset_description.json", ".bidsignore", "README.md")]
         for path in files + [output_dir / "logs" / "CITATION.md"]:
             remove_stale_temporaries(path)
-        write_json_atomic(output_dir / "dataset_description.json", dataset_description(bids_dir))
+        write_json_atomic(output_dir / "dataset_description.json", dataset_description(bids_dir, noise_dir))
         ignore = output_dir / ".bidsignore"
         lines = ignore.read_text().splitlines() if ignore.exists() else []
         write_text_atomic(ignore, "\n".join(lines + [p for p in BIDSIGNORE if p not in lines]) + "\n")
@@ -435,6 +495,8 @@ class _DerivativesSinkInputSpec(BaseInterfaceInputSpec):
     bval = File(exists=True, desc="DWI b-values")
     bvec = File(exists=True, desc="DWI gradient directions")
     figures = traits.List(File(exists=True), desc="QC figures named <kind>.png (reports.RunReport)")
+    noise_source = traits.Str(desc="the given noise map as a BIDS URI (``noise_uri``): added to the sidecar's "
+                                   "Sources and to its provenance as NoiseInSource")
 
 
 class _DerivativesSinkOutputSpec(TraitedSpec):
@@ -458,13 +520,19 @@ class DerivativesSink(SimpleInterface):
         sources = [raw_uri(self.inputs.source_file)]
         sidecar = json.loads(Path(self.inputs.sidecar_file).read_text())
         provenance = sidecar.pop("MPPCADenoising", None)
+        given = ((provenance or {}).get("EngineInfo") or {}).get("noise") == "given"
+        if isdefined(self.inputs.noise_source):
+            sources.append(self.inputs.noise_source)
+            if provenance is not None:
+                provenance["NoiseInSource"] = self.inputs.noise_source
         sidecar.update({"Sources": sources,
                         "Description": "Denoised by Marchenko-Pastur PCA (MP-PCA); see logs/CITATION.md",
                         "SkullStripped": False, "MPPCADenoising": provenance})
         # what goes where: (key, a file to copy or JSON to write); the denoised series comes last, so a
         # run whose series is there has all its files
         contents = [("noise", self.inputs.noise_file), ("rank", self.inputs.rank_file),
-                    ("noise_json", {"Description": MAPS["noise"][2], "Sources": sources}),
+                    ("noise_json", {"Description": GIVEN_NOISE_DESCRIPTION if given else MAPS["noise"][2],
+                                    "Sources": sources}),
                     ("rank_json", {"Description": MAPS["rank"][2], "Sources": sources})]
         if "bval" in names and isdefined(self.inputs.bval) and isdefined(self.inputs.bvec):
             contents += [("bval", self.inputs.bval), ("bvec", self.inputs.bvec)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from contextlib import ExitStack
 import json
+import math
 import os
 from pathlib import Path
 import signal
@@ -130,6 +131,17 @@ class _Parser(argparse.ArgumentParser):
         raise AppError(f"{message} (see {self.prog} --help)", EXIT["usage"])
 
 
+def noise_source(text: str):
+    """``--noise-in``: a positive number (float), or else a folder (str, checked in ``check_input``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number or a folder of noise maps, not {text!r}")
+    return value
+
+
 def report_error(message, status):
     """One line on stderr and the exit status (the shared helper from cli.common)."""
     fail(PROG, message, status)
@@ -161,6 +173,12 @@ def build_parser():
                         help="do not check BIDS_DIR with the BIDS validator (bids-validator-deno)")
     denoising = parser.add_argument_group("denoising (as mppca-denoise)")
     add_denoising_options(denoising)
+    denoising.add_argument("--noise-in", type=noise_source, metavar="NUMBER|DIR",
+                           help="a given noise level (standard deviation) instead of each patch's estimate: one "
+                                "positive number for every run, or a derivative dataset holding each run's "
+                                "noise map under this app's name (*_desc-noise_<dwi|bold>map.nii[.gz]: an "
+                                "earlier run's OUTPUT_DIR, or mppca-noise maps saved under those names) "
+                                "(docs/usage.md)")
     parser.add_argument("--reports", action=argparse.BooleanOptionalAction, default=True,
                         help="write a QC report per subject (sub-<label>.html, figures under "
                              "sub-<label>/figures/) (default: on)")
@@ -243,7 +261,8 @@ def check_arguments(args):
 
 
 def check_input(args):
-    """BIDS_DIR and the filter file exist and read; BIDS_DIR looks like BIDS; the filter file is JSON."""
+    """BIDS_DIR and the filter file exist and read; BIDS_DIR looks like BIDS; the filter file is JSON; a
+    --noise-in folder exists (its maps are checked once the runs are known: ``check_noise_maps``)."""
     bids_dir = Path(args.bids_dir).resolve()
     if not bids_dir.exists():
         raise AppError(f"BIDS_DIR {args.bids_dir} does not exist", EXIT["input_missing"])
@@ -261,6 +280,16 @@ def check_input(args):
             filters = json.loads(path.read_text())
         except (OSError, ValueError) as err:
             raise AppError(f"the BIDS filter file {path} is not valid JSON ({err})", EXIT["usage"]) from None
+    if isinstance(args.noise_in, str):
+        noise_dir = Path(args.noise_in)
+        if noise_dir.is_file():
+            raise AppError(f"--noise-in {args.noise_in} is a file; the app takes a number for every run or a "
+                           "folder of noise maps, one per run (for one file, use mppca-denoise --noise-in)",
+                           EXIT["usage"])
+        if not noise_dir.is_dir():
+            raise AppError(f"--noise-in {args.noise_in} is neither a positive number nor an existing folder",
+                           EXIT["input_missing"])
+        args.noise_in = noise_dir.resolve()
     return bids_dir, filters
 
 
@@ -277,6 +306,9 @@ def prepare_output(args, bids_dir):
         if _inside(bids_dir, path):
             raise AppError(f"{what} {path} contains BIDS_DIR; choose a folder outside it",
                            EXIT["cannot_create"])
+    if isinstance(args.noise_in, Path) and _inside(args.noise_in, output_dir):
+        raise AppError(f"--noise-in {args.noise_in} lies in OUTPUT_DIR, whose noise maps this run writes; give "
+                       "an earlier run's folder other than OUTPUT_DIR", EXIT["usage"])
     owner = owner_of(output_dir)
     if owner:
         raise AppError(f"OUTPUT_DIR {output_dir} already holds a dataset made by {owner}; choose another "
@@ -319,6 +351,16 @@ def select_runs(args, layout, filters):
         raise AppError(f"the labels and filters select no {' or '.join(args.datatype)} run to denoise{why}",
                        EXIT["nothing_selected"])
     return todo, skipped
+
+
+def check_noise_maps(runs, noise_dir):
+    """Every run to denoise has its noise map in ``noise_dir``, on its grid (``bids.check_given_noise_maps``)."""
+    from ..bids import check_given_noise_maps
+
+    try:
+        check_given_noise_maps(runs, noise_dir)
+    except MPPCAInputError as err:
+        raise AppError(str(err), EXIT["input_missing"]) from None
 
 
 def check_cuda():
@@ -389,6 +431,8 @@ def run(args) -> int:
         warnings.simplefilter("ignore")  # pybids' deprecation chatter
         layout = open_layout(bids_dir, work_dir)
         todo, skipped = select_runs(args, layout, filters)
+    if isinstance(args.noise_in, Path):
+        check_noise_maps(todo, args.noise_in)
     for run_ in skipped:
         say(f"{PROG}: warning: skipping {run_.relpath}: {run_.skip}")
     note(f"denoising {len(todo)} run{'s' if len(todo) > 1 else ''} "
@@ -442,13 +486,14 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
 
     workflow = init_bids_wf(todo, bids_dir=bids_dir, output_dir=output_dir, extent=args.extent,
                             stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
-                            demean=args.demean, num_threads=nprocs, reports=args.reports,
+                            demean=args.demean, num_threads=nprocs, reports=args.reports, noise_in=args.noise_in,
                             gpu_memory=args.gpu_memory,
                             # auto: each run on the GPU where it would finish first (engine.costs)
                             use_gpu=None if use_gpu and args.device == "auto" else use_gpu)
     workflow.base_dir = str(work_dir)
     try:
-        write_dataset_files(output_dir, bids_dir, citation_text(workflow))
+        write_dataset_files(output_dir, bids_dir, citation_text(workflow),
+                            noise_dir=args.noise_in if isinstance(args.noise_in, Path) else None)
     except OSError as err:
         raise AppError(f"cannot write into OUTPUT_DIR {output_dir}: {err.strerror or err}",
                        EXIT["cannot_create"]) from None

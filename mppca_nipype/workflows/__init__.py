@@ -30,8 +30,10 @@ _AGGREGATION_TEXT = {
 
 
 def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
-                 aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], what="series") -> str:
-    """The methods paragraph for the given parameters (Markdown, with citations)."""
+                 aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise_in=None,
+                 what="series") -> str:
+    """The methods paragraph for the given parameters (Markdown, with citations). ``noise_in``: None (the
+    noise estimated per patch), a number (one given sigma) or "maps" (a given map per series)."""
     from .. import __version__
 
     if extent == "auto":
@@ -46,14 +48,23 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
             else f"on a grid of step {stride} voxels (plus patches flush with the far edges)")
     demeaning = {"voxel": " after removing each voxel's temporal mean",
                  "volume": " after removing the patch's mean time course"}.get(demean, "")
+    if noise_in is None:
+        split = (f"split into signal and noise by the Marchenko-Pastur law, with the noise level and number of "
+                 f"signal components estimated as in MRtrix3's dwidenoise (estimator '{estimator}', "
+                 f"[@cordero2019])")
+        maps = "the estimated noise standard deviation"
+    else:
+        given = ("a noise map given for each series (the mean of sigma^2 over the patch)" if noise_in == "maps"
+                 else f"a given noise standard deviation of {float(noise_in):g}")
+        split = (f"split into signal and noise at the upper edge of the Marchenko-Pastur distribution, "
+                 f"sigma^2 (1 + sqrt(gamma))^2, with sigma from {given}")
+        maps = "the noise standard deviation used"
     return (
         f"The {what} were denoised with Marchenko-Pastur principal component analysis (MP-PCA; "
         f"[@veraart2016]) using mppca-nipype {__version__}. Local patches ({size}) were placed {grid}; "
-        f"for each patch, the eigenvalues of the voxel-by-volume matrix{demeaning} were split into signal "
-        f"and noise by the Marchenko-Pastur law, with the noise level and number of signal components "
-        f"estimated as in MRtrix3's dwidenoise (estimator '{estimator}', [@cordero2019]), and only the "
-        f"signal components were kept; {_AGGREGATION_TEXT[aggregation]}. Maps of the estimated noise "
-        f"standard deviation and of the number of signal components were saved with the denoised data.\n"
+        f"for each patch, the eigenvalues of the voxel-by-volume matrix{demeaning} were {split}, and only the "
+        f"signal components were kept; {_AGGREGATION_TEXT[aggregation]}. Maps of {maps} and of the number of "
+        f"signal components were saved with the denoised data.\n"
     )
 
 
@@ -118,7 +129,8 @@ def sbatch_resources(node) -> str:
 
 def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
-                  demean=DEFAULTS["demean"], use_gpu=None, num_threads=1, shape=None, gpu_memory=None):
+                  demean=DEFAULTS["demean"], use_gpu=None, num_threads=1, shape=None, noise_in=None,
+                  gpu_memory=None):
     """MP-PCA denoising of one 4D series.
 
     Parameters
@@ -135,6 +147,9 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     shape : tuple, optional
         The input's shape (X, Y, Z, T): the node's ``n_procs`` and ``mem_gb`` are then set from it
         (:func:`node_resources`), so that MultiProc and the cluster plugins reserve what it needs.
+    noise_in : None, a number or "maps"
+        How the noise level is known, for the methods text and the placement: estimated (None), one given
+        sigma, or a map per series given through ``inputnode.noise_in``.
     gpu_memory : number or str, optional
         The most GPU memory the node's run may take (see :func:`mppca_nipype.denoise`).
 
@@ -144,6 +159,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         The 4D series (NIfTI).
     mask
         Optional mask of the voxels to denoise.
+    noise_in
+        Optional given noise level: a number or a 3D map of sigma (``MPPCADenoise.noise_in``).
     metadata
         The series' metadata (a dict, e.g. its BIDS sidecar); carried forward into ``provenance``.
 
@@ -159,9 +176,9 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     """
     workflow = pe.Workflow(name=name)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
-                                     aggregation=aggregation, demean=demean)
+                                     aggregation=aggregation, demean=demean, noise_in=noise_in)
     workflow.__postdesc__ = "\n### References\n\n" + REFERENCES
-    inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata"]), name="inputnode")
+    inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in"]), name="inputnode")
     outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "provenance"]),
                          name="outputnode")
     if use_gpu is None:  # where a GPU is usable, and (the shape known) it would finish first
@@ -179,7 +196,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         name="denoise", n_procs=n_procs, **({} if mem_gb is None else {"mem_gb": mem_gb}))
     sidecar = pe.Node(_MetadataSidecar(), name="sidecar", run_without_submitting=True)
     workflow.connect([
-        (inputnode, denoise, [("in_file", "in_file"), ("mask", "mask")]),
+        (inputnode, denoise, [("in_file", "in_file"), ("mask", "mask"), ("noise_in", "noise_in")]),
         (inputnode, sidecar, [("metadata", "metadata")]),
         (denoise, sidecar, [("provenance_file", "provenance_file")]),
         (denoise, outputnode, [("out_file", "denoised"), ("noise_file", "noise"), ("rank_file", "rank")]),
@@ -191,7 +208,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
 def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEFAULTS["extent"],
                  stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], use_gpu=None,
-                 num_threads=1, reports=True, gpu_memory=None):
+                 num_threads=1, reports=True, noise_in=None, gpu_memory=None):
     """Denoise the given BIDS runs and write them as derivatives of ``bids_dir`` into ``output_dir``.
 
     Parameters
@@ -200,6 +217,10 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
         From :func:`mppca_nipype.bids.query_runs` (runs with ``skip`` set are left out).
     bids_dir, output_dir : path
         The raw dataset (only read) and the derivative dataset.
+    noise_in : None, a number, or a folder
+        A given noise level for every run: one sigma, or a derivative dataset holding each run's
+        ``desc-noise`` map (:func:`mppca_nipype.bids.given_noise_map`: an earlier run of this app, or maps
+        written under its names); recorded in each sidecar (``Sources``, ``NoiseInSource``). None: estimated.
     reports : bool
         Also make each run's QC figures (:class:`mppca_nipype.reports.RunReport`); the sink writes them under
         ``sub-<label>/figures/`` (the subject pages come from :func:`mppca_nipype.reports.write_subject_report`).
@@ -210,7 +231,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     :class:`mppca_nipype.bids.DerivativesSink` node. Each denoising node's ``n_procs`` and ``mem_gb`` come
     from its input's shape (:func:`node_resources`), with ``num_threads`` as the most CPUs one may take.
     """
-    from ..bids import DerivativesSink
+    from ..bids import DerivativesSink, given_noise_map, noise_uri
     from ..reports import RunReport
 
     workflow = pe.Workflow(name=name)
@@ -218,18 +239,26 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     kinds = sorted({run.datatype for run in todo})
     what = {("dwi",): "diffusion-weighted series", ("func",): "BOLD series"}.get(
         tuple(kinds), "diffusion-weighted and BOLD series")
+    noise_maps = noise_in is not None and not isinstance(noise_in, (int, float))
+    noise_kind = "maps" if noise_maps else noise_in
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
-                                     aggregation=aggregation, demean=demean, what=what)
+                                     aggregation=aggregation, demean=demean, noise_in=noise_kind, what=what)
     workflow.__postdesc__ = "\n### References\n\n" + REFERENCES
     for run in todo:
         run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
                                estimator=estimator, aggregation=aggregation, demean=demean,
                                use_gpu=use_gpu, num_threads=num_threads, shape=_series_shape(run.path),
-                               gpu_memory=gpu_memory)
+                               noise_in=noise_kind, gpu_memory=gpu_memory)
         run_wf.inputs.inputnode.in_file = str(run.path)
         run_wf.inputs.inputnode.metadata = run.metadata
         sink = pe.Node(DerivativesSink(source_file=run.relpath, output_dir=str(output_dir)),
                        name=f"ds_{run.node_name}", run_without_submitting=True)
+        if noise_maps:
+            noise_map = given_noise_map(run.relpath, noise_in)
+            run_wf.inputs.inputnode.noise_in = str(noise_map)
+            sink.inputs.noise_source = noise_uri(noise_map, noise_in)
+        elif noise_in is not None:
+            run_wf.inputs.inputnode.noise_in = float(noise_in)
         if run.bval is not None:
             sink.inputs.bval = str(run.bval)
             sink.inputs.bvec = str(run.bvec)
