@@ -45,10 +45,10 @@ def test_the_methods_example_of_citing_md_runs_and_matches_its_quote(capsys):
     assert quoted.replace("0.1.0", __version__) in printed
 
 
-def test_the_mppca_denoise_examples_of_usage_md_run(tmp_path, monkeypatch):
+def test_the_mppca_denoise_and_mppca_noise_examples_of_usage_md_run_in_order(tmp_path, monkeypatch):
     import shlex
 
-    from mppca_nipype.cli.denoise import main
+    from mppca_nipype.cli import denoise as denoise_command, noise as noise_command
     from mppca_nipype.phantoms import dwi_phantom
     import nibabel as nib
     import numpy as np
@@ -58,14 +58,19 @@ def test_the_mppca_denoise_examples_of_usage_md_run(tmp_path, monkeypatch):
     nib.save(nib.Nifti1Image(noisy, np.eye(4)), "dwi.nii.gz")
     nib.save(nib.Nifti1Image((truth[..., 0] > 0).astype(np.uint8), np.eye(4)), "mask.nii.gz")
     commands = [line for block in code_blocks("usage.md", "bash") for line in block.splitlines()
-                if line.startswith("mppca-denoise ")]
-    assert len(commands) == 2
+                if line.startswith(("mppca-denoise ", "mppca-noise "))]
+    assert len(commands) == 4
     for command in commands:
+        program, *args = shlex.split(command)
+        if program == "mppca-denoise":
+            main, args = denoise_command.main, args + ["--device", "cpu"]
+        else:
+            main = noise_command.main
         try:
-            main(shlex.split(command)[1:] + ["--quiet", "--device", "cpu", "--nprocs", "1"])
+            main(args + ["--quiet", "--nprocs", "1"])
         except SystemExit as stopped:
             assert stopped.code in (0, None), command
-    assert Path("noise.nii.gz").is_file() and Path("rank.nii.gz").is_file()
+    assert Path("noise.nii.gz").is_file() and Path("rank.nii.gz").is_file() and Path("sigma.nii.gz").is_file()
 
 
 def test_the_options_table_gives_the_engines_defaults():
