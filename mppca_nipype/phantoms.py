@@ -51,13 +51,17 @@ def gradient_table(n_volumes, bvalue=1000.0, n_b0=None, seed=0):
     return bvals, bvecs
 
 
-def dwi_phantom(shape=(64, 64, 40), n_volumes=48, sigma=20.0, bvalue=1000.0, seed=0, rician=False):
+def dwi_phantom(shape=(64, 64, 40), n_volumes=48, sigma=20.0, bvalue=1000.0, seed=0, rician=False, coils=1):
     """A head-shaped DWI series: an ellipsoid of three tissues with smoothly varying fibre orientation.
 
     Returns ``(noisy, truth, bvals, bvecs)``; the series are float32 of shape ``(*shape, n_volumes)``.
     Outside the head the signal is 0 (plus noise). With ``rician=True`` the noise is Rician (the magnitude
-    of a complex Gaussian), as in magnitude images.
+    of a complex Gaussian), as in magnitude images; with ``coils=N`` as well, non-central chi: the root sum
+    of squares of N complex channels, each with noise of std ``sigma`` per real part, whose signals' squares
+    add up to the truth's.
     """
+    if coils != 1 and not rician:
+        raise ValueError("coils > 1 describes magnitude data: give rician=True as well")
     rng = np.random.default_rng(seed)
     bvals, bvecs = gradient_table(n_volumes, bvalue, seed=seed)
     axes = np.meshgrid(*(np.linspace(-1, 1, s) for s in shape), indexing="ij")
@@ -81,7 +85,10 @@ def dwi_phantom(shape=(64, 64, 40), n_volumes=48, sigma=20.0, bvalue=1000.0, see
     if rician:
         real = truth + sigma * rng.standard_normal(truth.shape)
         imag = sigma * rng.standard_normal(truth.shape)
-        noisy = np.sqrt(real**2 + imag**2)
+        noisy = real**2 + imag**2
+        for _ in range(2 * (coils - 1)):  # the other channels' real and imaginary parts: noise only
+            noisy += (sigma * rng.standard_normal(truth.shape)) ** 2
+        noisy = np.sqrt(noisy)
     else:
         noisy = truth + sigma * rng.standard_normal(truth.shape)
     return noisy.astype(np.float32), truth.astype(np.float32), bvals, bvecs
