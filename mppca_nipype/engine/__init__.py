@@ -23,13 +23,14 @@ from . import costs
 from .backend import DenoiseOptions, GPUMemory, PatchSums, available_cpus
 from .errors import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, is_out_of_memory
 from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
+from .noise_floor import NOISE_FLOORS, check_noise_floor, denoise_magnitude
 from .layout import as_float32, empty_like_series, is_volume_major, planes_of_rows
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
 __all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "DenoiseOptions", "MPPCAInputError",
            "MPPCAWarning", "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "NOISE_STRIDE", "available_cpus",
            "check_device", "choose_device", "resolve_gpu_memory", "resolve_noise", "resolve_options",
-           "GPU_MEMORY_VARIABLE"]
+           "GPU_MEMORY_VARIABLE", "NOISE_FLOORS"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -226,8 +227,8 @@ def _plan(data, mask, finite, options) -> PatchPlan:
 
 def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
             estimator=DEFAULTS["estimator"],
-            aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise=None, device="auto",
-            nprocs=None, gpu_memory=None, progress=None) -> DenoiseResult:
+            aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise=None, noise_floor="none",
+            coils=1, device="auto", nprocs=None, gpu_memory=None, progress=None) -> DenoiseResult:
     """Denoise a 4D series by Marchenko-Pastur PCA (MP-PCA).
 
     Each patch (a cuboid of ``extent`` voxels) becomes an n x T matrix; the eigenvalues of its Gram matrix
@@ -264,7 +265,16 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         of sigma on the input's grid (each patch takes the mean of sigma^2 over its finite voxels; inside the
         mask every value must be positive and finite, ``resolve_noise``). A patch keeps the components
         whose lambda_i = s_i / q lie above the Marchenko-Pastur edge sigma^2 (1 + sqrt(r / q))^2
-        (``estimators.given_noise_threshold``), and ``sigma`` reports the given level.
+        (``estimators.given_noise_threshold``), and ``sigma`` reports the given level. With a
+        ``noise_floor``, it is the channels' sigma of the magnitude data instead.
+    noise_floor : {"none", "rician", "ncchi"}
+        The magnitude noise floor to remove: ``none`` takes the data as signal plus Gaussian noise (as
+        dwidenoise does); ``rician`` (one complex channel) and ``ncchi`` (the root sum of squares of
+        ``coils`` channels) denoise a variance-stabilised transform of the magnitude and map the result back
+        to the signal without the floor's bias (``noise_floor.denoise_magnitude``: two passes of MP-PCA when
+        ``noise`` is not given). The data must not be negative. ``sigma`` is then the channels' noise level.
+    coils : int
+        The number of channels of an ``ncchi`` floor (1 otherwise).
     device : {"auto", "cpu", "cuda"}
         ``auto`` uses a usable CUDA GPU where the GPU engine is installed and would finish first, its start
         included (``choose_device``; ``info["device_choice"]`` says why), else the CPU.
@@ -288,6 +298,12 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     (docs/benchmarks.md, "Choosing the defaults"); dwidenoise's mode is
     ``extent="auto", stride=1, aggregation="center", demean="none"``.
     """
+    if check_noise_floor(noise_floor, coils) and noise_floor != "none":
+        return denoise_magnitude(data, mask, noise_floor=noise_floor, coils=coils, noise=noise,
+                                 denoise_options=dict(extent=extent, stride=stride, estimator=estimator,
+                                                      aggregation=aggregation, demean=demean),
+                                 run_options=dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory,
+                                                  progress=progress))
     seconds, last = {}, time.perf_counter()
 
     def lap(phase):  # the seconds since the last lap, as the phase's
