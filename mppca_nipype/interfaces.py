@@ -28,7 +28,7 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
                                     traits)
 from nipype.utils.filemanip import fname_presuffix
 
-from .engine import DEFAULTS
+from .engine import DEFAULTS, NOISE_FLOORS
 from .engine.gpu import absent_reason, visible_devices as visible_gpus
 from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .engine.patches import EXTENT_RULES
@@ -171,7 +171,14 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
     noise_in = traits.Either(
         traits.Float, File(exists=True),
         desc="a given noise level (standard deviation) instead of each patch's MP-PCA estimate: one positive "
-             "number, or a 3D map on the input's grid (positive inside the mask)")
+             "number, or a 3D map on the input's grid (positive inside the mask); with a noise_floor, the "
+             "channels' sigma of the magnitude data")
+    noise_floor = traits.Enum(*NOISE_FLOORS, usedefault=True,
+                              desc="the magnitude noise floor to remove: 'none' (signal plus Gaussian noise, "
+                                   "dwidenoise), 'rician' (one complex channel), 'ncchi' (root sum of squares of "
+                                   "'coils' channels): MP-PCA of a variance-stabilised transform, mapped back "
+                                   "without the floor's bias")
+    coils = traits.Int(1, usedefault=True, desc="channels of an 'ncchi' noise floor (1 otherwise)")
     use_gpu = traits.Bool(gpu_probably_usable(), usedefault=True,
                           desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
                                "GPU slot for the node. Default: true when a GPU is usable here")
@@ -214,7 +221,8 @@ class MPPCADenoise(SimpleInterface):
             mask = io.load_mask(self.inputs.mask, data.shape[:3])
         parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride,
                           estimator=self.inputs.estimator, aggregation=self.inputs.aggregation,
-                          demean=self.inputs.demean)
+                          demean=self.inputs.demean, noise_floor=self.inputs.noise_floor,
+                          coils=self.inputs.coils)
         noise_source = {}  # where a given noise level came from: the number, or the file's name and checksum
         if isdefined(self.inputs.noise_in):
             if isinstance(self.inputs.noise_in, str):

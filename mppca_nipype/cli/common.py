@@ -285,6 +285,36 @@ def add_denoising_options(parser, *, stride=None, stride_unset=False) -> None:
                              "mean; none, nothing (dwidenoise) (default: %(default)s)")
 
 
+def add_noise_floor_options(parser) -> None:
+    """``--noise-floor`` and ``--coils`` of the commands that denoise (``mppca-denoise``, ``mppca-nipype``);
+    ``noise_floor_problem`` checks them together."""
+    from ..engine import NOISE_FLOORS
+
+    parser.add_argument("--noise-floor", choices=NOISE_FLOORS, default="none",
+                        help="the magnitude noise floor to remove: none takes the data as signal plus Gaussian "
+                             "noise (dwidenoise); rician (magnitude of one complex channel) and ncchi (root "
+                             "sum of squares of --coils channels) denoise a variance-stabilised transform and "
+                             "map it back without the floor's bias; two passes unless --noise-in gives the "
+                             "channels' sigma (docs/options.md) (default: %(default)s)")
+    parser.add_argument("--coils", type=positive_int, metavar="N",
+                        help="the number of receive channels combined by root sum of squares, for "
+                             "--noise-floor ncchi (rician is N = 1)")
+
+
+def noise_floor_problem(args) -> str | None:
+    """The sentence that says why ``--noise-floor`` and ``--coils`` do not go together, or None."""
+    if args.coils is not None and args.noise_floor != "ncchi":
+        return f"--coils describes a non-central chi floor and needs --noise-floor ncchi (not {args.noise_floor})"
+    if args.noise_floor == "ncchi" and args.coils is None:
+        return "--noise-floor ncchi needs --coils N, the number of channels combined (rician is N = 1)"
+    return None
+
+
+def noise_floor_options(args) -> dict:
+    """``denoise``'s ``noise_floor`` and ``coils`` from the checked arguments."""
+    return dict(noise_floor=args.noise_floor, coils=args.coils or 1)
+
+
 def add_run_options(parser, *, work: str) -> None:
     """``--nprocs``, ``--quiet`` and ``--timings`` of the one-file commands; ``work`` names the computing
     phase in the timings (``denoise``, ``estimate``)."""

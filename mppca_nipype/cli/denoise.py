@@ -27,9 +27,10 @@ from ..engine import (DEFAULTS, DEVICES, MIN_VOLUMES, NOISE_STRIDE, MPPCAInputEr
                       choose_device, denoise, resolve_noise, resolve_options)
 from ..phases import Phases, process_age
 from . import noise as noise_only
-from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option, add_run_options,
-                     add_version_option, check_destinations, inside_voxels, leave_now_after_the_gpu, open_input, say, user_errors,
-                     warnings_as_lines, where_it_ran, write_images)
+from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option,
+                     add_noise_floor_options, add_run_options, add_version_option, check_destinations, inside_voxels,
+                     leave_now_after_the_gpu, noise_floor_options, noise_floor_problem, open_input, say,
+                     user_errors, warnings_as_lines, where_it_ran, write_images)
 
 PROG = "mppca-denoise"
 
@@ -88,7 +89,9 @@ def build_parser() -> ArgumentParser:
                         help="a given noise level (standard deviation) instead of each patch's estimate: one "
                              "positive number, or a 3D NIfTI map on IN's voxel grid (positive inside the "
                              "mask); a patch keeps the components above the Marchenko-Pastur edge "
-                             "sigma^2 (1 + sqrt(gamma))^2 (docs/options.md)")
+                             "sigma^2 (1 + sqrt(gamma))^2 (docs/options.md); with --noise-floor, the "
+                             "channels' sigma of the magnitude data")
+    add_noise_floor_options(parser)
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="auto: a CUDA GPU where the GPU engine is installed and usable and would "
                              "finish first, its start included, else the CPU (where the GPU may win and be "
@@ -133,7 +136,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.noise_only:
         given = [name for name, value in (("OUT", args.output), ("--noise-in", args.noise_in),
-                                          ("--warm-up", args.warm_up)) if value is not None]
+                                          ("--warm-up", args.warm_up), ("--coils", args.coils)) if value is not None]
+        given += ["--noise-floor"] if args.noise_floor != "none" else []
         if given:
             parser.error(f"--noise-only writes the noise map alone (--noise SIGMA) and takes no {', '.join(given)}")
         if args.input is None or args.noise is None:
@@ -150,10 +154,13 @@ def main(argv=None):
         given = [name for name, value in (("IN", args.input), ("OUT", args.output), ("--mask", args.mask),
                                           ("--noise", args.noise), ("--rank", args.rank),
                                           ("--noise-in", args.noise_in)) if value is not None]
+        given += ["--noise-floor"] if args.noise_floor != "none" else []
         if given:
             parser.error(f"--warm-up denoises generated series and takes no files ({', '.join(given)})")
     elif args.input is None or args.output is None:
         parser.error("the following arguments are required: IN, OUT")
+    if noise_floor_problem(args):
+        parser.error(noise_floor_problem(args))
     with warnings_as_lines(PROG), user_errors(PROG):
         if args.warm_up is not None:
             warm_up(args, parser)
@@ -179,8 +186,8 @@ def run(args, parser) -> None:
         with phases("read"):
             data = io.read_data(image, args.input)
         with phases("denoise"), ProgressBar(PROG, quiet=args.quiet) as progress:
-            result = denoise(data, mask, **options, device=args.device, nprocs=args.nprocs,
-                             gpu_memory=args.gpu_memory, progress=progress)
+            result = denoise(data, mask, **options, **noise_floor_options(args), device=args.device,
+                             nprocs=args.nprocs, gpu_memory=args.gpu_memory, progress=progress)
         phases.parts_of("denoise", result.info["seconds"])
         images = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
         with phases("write"):

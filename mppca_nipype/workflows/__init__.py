@@ -21,6 +21,14 @@ REFERENCES = """\
   doi:10.1016/j.neuroimage.2019.06.039
 """
 
+#: Cited when a noise floor is removed.
+NOISE_FLOOR_REFERENCES = """\
+- Koay CG, Basser PJ (2006). Analytically exact correction scheme for signal extraction from noisy magnitude
+  MR signals. J Magn Reson 179(2):317-322. doi:10.1016/j.jmr.2006.01.016
+- Foi A (2011). Noise estimation and removal in MR imaging: the variance-stabilization approach. IEEE ISBI
+  2011:1809-1814. doi:10.1109/ISBI.2011.5872758
+"""
+
 _AGGREGATION_TEXT = {
     "center": "each voxel took the value reconstructed in the patch centred on it",
     "weighted": "overlapping reconstructions were averaged with weights 1/(1 + P) (P: the patch's rank, "
@@ -31,9 +39,10 @@ _AGGREGATION_TEXT = {
 
 def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise_in=None,
-                 what="series") -> str:
+                 noise_floor="none", coils=1, what="series") -> str:
     """The methods paragraph for the given parameters (Markdown, with citations). ``noise_in``: None (the
-    noise estimated per patch), a number (one given sigma) or "maps" (a given map per series)."""
+    noise estimated per patch), a number (one given sigma) or "maps" (a given map per series);
+    ``noise_floor`` and ``coils`` as for :func:`mppca_nipype.denoise`."""
     from .. import __version__
 
     if extent == "auto":
@@ -59,12 +68,22 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
         split = (f"split into signal and noise at the upper edge of the Marchenko-Pastur distribution, "
                  f"sigma^2 (1 + sqrt(gamma))^2, with sigma from {given}")
         maps = "the noise standard deviation used"
+    floor = ""
+    if noise_floor != "none":
+        model = ("a Rician distribution" if noise_floor == "rician"
+                 else f"a non-central chi distribution with {2 * coils} degrees of freedom ({coils} channels)")
+        source = ("given" if noise_in is not None
+                  else "estimated by a first MP-PCA pass and corrected for the magnitude's narrower spread")
+        floor = (f" The magnitude noise floor was modelled as {model} [@koay2006]: before denoising, each "
+                 f"magnitude divided by the channels' noise level ({source}) was mapped by a "
+                 f"variance-stabilising transform [@foi2011], and the denoised values were mapped back to the "
+                 f"signal by the exact unbiased inverse of that transform's expected value.")
     return (
         f"The {what} were denoised with Marchenko-Pastur principal component analysis (MP-PCA; "
         f"[@veraart2016]) using mppca-nipype {__version__}. Local patches ({size}) were placed {grid}; "
         f"for each patch, the eigenvalues of the voxel-by-volume matrix{demeaning} were {split}, and only the "
         f"signal components were kept; {_AGGREGATION_TEXT[aggregation]}. Maps of {maps} and of the number of "
-        f"signal components were saved with the denoised data.\n"
+        f"signal components were saved with the denoised data.{floor}\n"
     )
 
 
@@ -130,7 +149,7 @@ def sbatch_resources(node) -> str:
 def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
                   demean=DEFAULTS["demean"], use_gpu=None, num_threads=1, shape=None, noise_in=None,
-                  gpu_memory=None):
+                  gpu_memory=None, noise_floor="none", coils=1):
     """MP-PCA denoising of one 4D series.
 
     Parameters
@@ -152,6 +171,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         sigma, or a map per series given through ``inputnode.noise_in``.
     gpu_memory : number or str, optional
         The most GPU memory the node's run may take (see :func:`mppca_nipype.denoise`).
+    noise_floor, coils
+        The magnitude noise floor to remove (see :func:`mppca_nipype.denoise`).
 
     Inputs (``inputnode``)
     ----------------------
@@ -176,8 +197,9 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     """
     workflow = pe.Workflow(name=name)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
-                                     aggregation=aggregation, demean=demean, noise_in=noise_in)
-    workflow.__postdesc__ = "\n### References\n\n" + REFERENCES
+                                     aggregation=aggregation, demean=demean, noise_in=noise_in,
+                                     noise_floor=noise_floor, coils=coils)
+    workflow.__postdesc__ = references_text(noise_floor)
     inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in"]), name="inputnode")
     outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "provenance"]),
                          name="outputnode")
@@ -191,7 +213,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
                                          stride=stride)
     denoise = pe.Node(
         MPPCADenoise(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
-                     demean=demean, use_gpu=use_gpu, num_threads=n_procs,
+                     demean=demean, noise_floor=noise_floor, coils=coils, use_gpu=use_gpu, num_threads=n_procs,
                      **({} if gpu_memory is None else {"gpu_memory": str(gpu_memory)})),
         name="denoise", n_procs=n_procs, **({} if mem_gb is None else {"mem_gb": mem_gb}))
     sidecar = pe.Node(_MetadataSidecar(), name="sidecar", run_without_submitting=True)
@@ -208,7 +230,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
 def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEFAULTS["extent"],
                  stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], use_gpu=None,
-                 num_threads=1, reports=True, noise_in=None, gpu_memory=None):
+                 num_threads=1, reports=True, noise_in=None, gpu_memory=None, noise_floor="none", coils=1):
     """Denoise the given BIDS runs and write them as derivatives of ``bids_dir`` into ``output_dir``.
 
     Parameters
@@ -242,13 +264,15 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     noise_maps = noise_in is not None and not isinstance(noise_in, (int, float))
     noise_kind = "maps" if noise_maps else noise_in
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
-                                     aggregation=aggregation, demean=demean, noise_in=noise_kind, what=what)
-    workflow.__postdesc__ = "\n### References\n\n" + REFERENCES
+                                     aggregation=aggregation, demean=demean, noise_in=noise_kind,
+                                     noise_floor=noise_floor, coils=coils, what=what)
+    workflow.__postdesc__ = references_text(noise_floor)
     for run in todo:
         run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
                                estimator=estimator, aggregation=aggregation, demean=demean,
                                use_gpu=use_gpu, num_threads=num_threads, shape=_series_shape(run.path),
-                               noise_in=noise_kind, gpu_memory=gpu_memory)
+                               noise_in=noise_kind, gpu_memory=gpu_memory, noise_floor=noise_floor,
+                               coils=coils)
         run_wf.inputs.inputnode.in_file = str(run.path)
         run_wf.inputs.inputnode.metadata = run.metadata
         sink = pe.Node(DerivativesSink(source_file=run.relpath, output_dir=str(output_dir)),
@@ -287,10 +311,16 @@ def _series_shape(path):
     return tuple(shape) if len(shape) == 4 else None
 
 
+def references_text(noise_floor="none") -> str:
+    """The references section of a workflow's methods text."""
+    return "\n### References\n\n" + REFERENCES + (NOISE_FLOOR_REFERENCES if noise_floor != "none" else "")
+
+
 def citation_text(workflow) -> str:
     """CITATION.md for a workflow built here: its methods paragraph and references."""
     return ("# Methods\n\n" + workflow.__desc__.replace("[@veraart2016]", "Veraart et al., 2016")
-            .replace("[@cordero2019]", "Cordero-Grande et al., 2019") + workflow.__postdesc__)
+            .replace("[@cordero2019]", "Cordero-Grande et al., 2019").replace("[@koay2006]", "Koay and Basser, 2006")
+            .replace("[@foi2011]", "Foi, 2011") + workflow.__postdesc__)
 
 
 # --- the small interface that joins the input's metadata and the provenance (kept next to its only user)
