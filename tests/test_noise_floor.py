@@ -198,3 +198,21 @@ def test_the_command_denoises_with_a_floor_and_refuses_negative_data(tmp_path, r
     failed = run_cli(tmp_path / "signed.nii", tmp_path / "out2.nii", "--noise-floor", "rician", "--device", "cpu")
     assert failed.returncode == 1 and "negative values" in failed.stderr
     assert not (tmp_path / "out2.nii").exists()
+
+
+def test_the_interface_passes_the_floor_and_records_it(tmp_path, rician_phantom):
+    import json
+
+    from mppca_nipype.interfaces import MPPCADenoise
+
+    noisy = rician_phantom[0][:16, :16, :12]
+    nib.save(nib.Nifti1Image(noisy, np.eye(4)), tmp_path / "mag.nii")
+    node = MPPCADenoise(in_file=str(tmp_path / "mag.nii"), noise_floor="ncchi", coils=1, noise_in=200.0,
+                        use_gpu=False)
+    node.base_dir = str(tmp_path)
+    outputs = node.run(cwd=str(tmp_path)).outputs
+    expected = denoise(noisy, noise_floor="ncchi", noise=200.0, device="cpu").denoised
+    np.testing.assert_allclose(nib.load(outputs.out_file).get_fdata(), expected, rtol=1e-5, atol=1e-3)
+    provenance = json.loads(open(outputs.provenance_file).read())
+    assert provenance["Parameters"]["noise_floor"] == "ncchi" and provenance["Parameters"]["coils"] == 1
+    assert provenance["EngineInfo"]["noise_floor"] == "ncchi" and provenance["EngineInfo"]["noise"] == "given"

@@ -74,9 +74,9 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
                  else f"a non-central chi distribution with {2 * coils} degrees of freedom ({coils} channels)")
         source = ("given" if noise_in is not None
                   else "estimated by a first MP-PCA pass and corrected for the magnitude's narrower spread")
-        floor = (f" The magnitude noise floor was modelled as {model} [@koay2006]: before denoising, each "
+        floor = (f" The magnitude noise floor was modelled as {model} ([@koay2006]): before denoising, each "
                  f"magnitude divided by the channels' noise level ({source}) was mapped by a "
-                 f"variance-stabilising transform [@foi2011], and the denoised values were mapped back to the "
+                 f"variance-stabilising transform ([@foi2011]), and the denoised values were mapped back to the "
                  f"signal by the exact unbiased inverse of that transform's expected value.")
     return (
         f"The {what} were denoised with Marchenko-Pastur principal component analysis (MP-PCA; "
