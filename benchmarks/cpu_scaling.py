@@ -1,6 +1,7 @@
 """CPU engine scaling: wall time of one run at nprocs = 1, 2, 4, 8, 16 (each in a fresh process).
 
     python benchmarks/cpu_scaling.py --shape 96,96,60 --volumes 100 --workers 1,2,4,8,16
+    python benchmarks/cpu_scaling.py --profile --shape 96,96,60 --volumes 100 --workers 1,2,4,8,16
     python benchmarks/cpu_scaling.py --quick --out /tmp/cpu_scaling.json      # a smoke test in seconds
 
 Each worker count runs in a new interpreter (so that no pool or cache carries over): a warm-up call on a
@@ -8,6 +9,13 @@ Each worker count runs in a new interpreter (so that no pool or cache carries ov
 (sigma 20). Writes JSON (stamped by ``harness.stamp()``: commit, date, hardware, load average at start and
 end, versions, command) to ``--out`` and the Markdown table (workers, wall s, speed-up, efficiency) next to
 it; prints the table.
+
+``--profile`` times the engine's phases (``mppca_nipype.engine.cpu.PROFILE``) and adds a second table: per
+phase, the seconds summed over the workers at each worker count and the efficiency against one worker (its
+seconds over theirs: 100% when the phase costs the same CPU time whatever the number of workers), then the
+parent's serial phases, the workers' time outside units, the slowest worker's busy time against the mean
+(balance), the threads per worker and the thread pools threadpoolctl found in them. The JSON keeps each
+run's whole profile (per worker and per unit).
 """
 
 from __future__ import annotations
@@ -29,22 +37,25 @@ import harness  # noqa: E402
 CHILD = """
 import json, sys, time
 from mppca_nipype import denoise
+from mppca_nipype.engine import cpu
 from mppca_nipype.phantoms import dwi_phantom
 shape = tuple(int(s) for s in sys.argv[1].split(",")); volumes = int(sys.argv[2]); workers = int(sys.argv[3])
+cpu.PROFILE = sys.argv[4] == "profile"
 noisy = dwi_phantom(shape, volumes, sigma=20.0)[0]
 denoise(noisy[:16, :16, :16], device="cpu", nprocs=workers)  # warm-up: imports, pool start
 started = time.perf_counter()
 result = denoise(noisy, device="cpu", nprocs=workers)
 seconds = time.perf_counter() - started
-print(json.dumps(dict(seconds=seconds, eigensolver=result.info["eigensolver"], windows=result.info["n_windows"])))
+print(json.dumps(dict(seconds=seconds, eigensolver=result.info["eigensolver"], windows=result.info["n_windows"],
+                      phases=result.info["seconds"], profile=result.info.get("profile"))))
 """
 
 
-def run_workers(shape: str, volumes: int, workers: int) -> dict:
+def run_workers(shape: str, volumes: int, workers: int, profile: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(harness.REPO),
                                                                     os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", CHILD, shape, str(volumes), str(workers)], capture_output=True,
-                          text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", CHILD, shape, str(volumes), str(workers),
+                           "profile" if profile else "plain"], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"cpu_scaling: the run with {workers} workers failed:\n{done.stderr[-2000:]}")
     return dict(workers=workers, **json.loads(done.stdout.strip().splitlines()[-1]))
@@ -62,12 +73,71 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def phase_table(result: dict) -> str:
+    """Per phase: worker-seconds (summed over the workers) and efficiency against the first worker count."""
+    rows = result["rows"]
+    profiles = [row["profile"] for row in rows]
+    worker_phases = list(dict.fromkeys(p for prof in profiles for w in prof["workers"] for p in w["phases"]))
+    parent_phases = list(dict.fromkeys(p for prof in profiles for p in prof["parent"]))
+
+    def worker_sum(prof, phase):
+        return sum(w["phases"].get(phase, 0.0) for w in prof["workers"])
+
+    def outside(prof):  # the workers' time between their first unit's start and last unit's end not in units
+        return sum(w["span"] - w["busy"] for w in prof["workers"])
+
+    def busy(prof):
+        return sum(w["busy"] for w in prof["workers"])
+
+    base = profiles[0]
+    scale = rows[0]["workers"]  # efficiency against this many workers' CPU time
+    header = "| phase | " + " | ".join(f"{row['workers']} w: s | eff" for row in rows) + " |"
+    lines = ["Worker-seconds per phase (summed over the workers) and efficiency against "
+             f"{scale} worker{'s' * (scale > 1)} (its seconds over these: 100% = the same CPU time).", "",
+             header, "| --- |" + " --- | --- |" * len(rows)]
+
+    def cells(values, reference):
+        out = []
+        for value in values:
+            eff = f"{reference / value:.0%}" if value > 0 and reference > 0 else ""
+            out.append(f"{value:.2f} | {eff}")
+        return " | ".join(out)
+
+    for phase in worker_phases:
+        lines.append(f"| {phase} | {cells([worker_sum(p, phase) for p in profiles], worker_sum(base, phase))} |")
+    lines.append(f"| **in units** | {cells([busy(p) for p in profiles], busy(base))} |")
+    lines.append("| outside units | " + " | ".join(f"{outside(p):.2f} | " for p in profiles) + " |")
+    lines.append("| balance (slowest / mean busy) | " + " | ".join(
+        f"{max(w['busy'] for w in p['workers']) / (busy(p) / len(p['workers'])):.2f} | " for p in profiles) + " |")
+    for phase in parent_phases:
+        lines.append(f"| parent: {phase} | " + " | ".join(f"{p['parent'].get(phase, 0.0):.2f} | "
+                                                         for p in profiles) + " |")
+    serial = [sum(v for k, v in p["parent"].items() if k != "waiting") for p in profiles]
+    lines.append("| **parent, serial** | " + " | ".join(f"{v:.2f} | " for v in serial) + " |")
+    lines.append("| engine wall | " + " | ".join(f"{p['wall']:.2f} | " for p in profiles) + " |")
+    lines.append("| denoise() wall | " + " | ".join(f"{row['seconds']:.2f} | "
+                                                    f"{rows[0]['seconds'] * scale / row['seconds'] / row['workers']:.0%}"
+                                                    for row in rows) + " |")
+    lines.append("| denoise(): output | " + " | ".join(f"{row['phases'].get('output', 0.0):.2f} | "
+                                                       for row in rows) + " |")
+    lines.append("")
+    for row, prof in zip(rows, profiles):
+        threads = sorted({w["threads"] for w in prof["workers"]}, key=str)
+        pools = sorted({f"{pool['library']} ({pool['api']}) {pool['threads']}" for w in prof["workers"]
+                        for pool in w["threadpools"]})
+        lines.append(f"- {row['workers']} workers, {prof['n_units']} units: threads per worker "
+                     f"{', '.join(map(str, threads))}; thread pools: {'; '.join(pools) or 'none found'}.")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default=None, help="phantom size X,Y,Z (default 96,96,60; --quick: 24,24,16)")
     parser.add_argument("--volumes", type=int, default=None, help="volumes (default 100; --quick: 30)")
     parser.add_argument("--workers", default=None, help="worker counts (default 1,2,4,8,16; --quick: 1,2)")
     parser.add_argument("--quick", action="store_true", help="a small phantom and 1, 2 workers: a smoke test")
+    parser.add_argument("--profile", action="store_true",
+                        help="time the engine's phases in the workers and the parent; print a table per phase")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "cpu_scaling.json",
                         help="JSON output; the Markdown goes next to it as .md")
     args = parser.parse_args(argv)
@@ -76,10 +146,11 @@ def main(argv=None):
     workers = [int(w) for w in (args.workers or ("1,2" if args.quick else "1,2,4,8,16")).split(",")]
 
     run = harness.stamp()
-    rows = [run_workers(shape, volumes, n) for n in workers]
-    result = dict(stamp=run, shape=shape, volumes=volumes, rows=rows)
+    rows = [run_workers(shape, volumes, n, args.profile) for n in workers]
+    result = dict(stamp=run, shape=shape, volumes=volumes, profiled=args.profile, rows=rows)
     harness.finish(run)
-    markdown = table(result) + "\n\n" + harness.stamp_markdown(run) + "\n\n" + harness.load_note(run)
+    tables = table(result) + ("\n\n" + phase_table(result) if args.profile else "")
+    markdown = tables + "\n\n" + harness.stamp_markdown(run) + "\n\n" + harness.load_note(run)
     harness.write_result(args.out, result, markdown)
     print(markdown)
 

@@ -17,17 +17,18 @@ from __future__ import annotations
 import ast
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 import multiprocessing
 from multiprocessing import shared_memory
+import os
 from pathlib import Path
 import signal
 import sys
+import threading
 import time
 import warnings
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from . import lapack
 from .backend import PatchSums, available_cpus
@@ -38,6 +39,32 @@ from .layout import is_volume_major, rows_of_planes
 
 #: Memory one batch may use for its patch matrices (float64), per process.
 BATCH_BYTES = 48 * 2**20
+
+#: When true, ``denoise_cpu`` times each phase of the work in the workers and the parent and reports it in
+#: ``info["profile"]`` (``PhaseClock``); when false the phases are not timed.
+PROFILE = False
+
+
+class PhaseClock:
+    """Seconds spent in each phase, summed over calls: ``lap(phase)`` charges the time since the previous lap
+    to ``phase``. ``NO_CLOCK`` stands in when nothing is timed: its ``lap`` does nothing."""
+
+    def __init__(self):
+        self.seconds = {}
+        self.last = time.perf_counter()
+
+    def lap(self, phase):
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + (now - self.last)
+        self.last = now
+
+
+class _Stopped:
+    def lap(self, phase):
+        pass
+
+
+NO_CLOCK = _Stopped()
 
 
 @dataclass
@@ -120,32 +147,17 @@ class WindowFit:
         return restored
 
 
-@dataclass
-class WindowSpectra:
-    """The eigenvalues of a batch of windows and what the threshold made of them: ``forms`` (``lapack``, the
-    eigenvalues and what ``leading_eigenvectors`` continues from), ``rank`` and ``sigma2`` (B,), and the
-    centred ``patches``, ``means``, ``time_side``, ``voxels`` and ``took_part`` as in ``WindowFit``."""
-
-    patches: np.ndarray
-    means: np.ndarray | None
-    forms: lapack.TridiagonalForms
-    time_side: bool
-    rank: np.ndarray
-    sigma2: np.ndarray
-    voxels: np.ndarray
-    took_part: np.ndarray
-
-
-def window_spectra(volume, finite, plan, options, windows) -> WindowSpectra:
-    """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and threshold
-    each: Gram matrix, all its eigenvalues (``lapack``), the Marchenko-Pastur rank and noise (or the given
-    noise's rank). No eigenvector is computed."""
+def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK) -> WindowFit:
+    """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and run MP-PCA on
+    each: Gram matrix, all its eigenvalues, the threshold, then the kept eigenvectors (``lapack``). ``clock``
+    is charged with each step (``PhaseClock``)."""
     base = plan.window_base(windows)
     voxels = base[:, None] + plan.voxel_offsets[None, :]
     patches = volume[voxels].astype(np.float64)  # (B, n, T); left-out voxels are rows of zeros
     took_part = finite[voxels]
     n_voxels = took_part.sum(axis=1)
     n_volumes = patches.shape[2]
+    clock.lap("gather")
     means = None
     if options.demean == "voxel":  # each voxel's mean over time: one degree of freedom less along time
         means = patches.mean(axis=2, keepdims=True)
@@ -158,28 +170,24 @@ def window_spectra(volume, finite, plan, options, windows) -> WindowSpectra:
         else:
             patches -= means * took_part[:, :, None]  # left-out voxels stay rows of zeros
         n_voxels = n_voxels - 1
+    clock.lap("demean")
     time_side = plan.patch_size >= patches.shape[2]
     if time_side:
         gram = np.matmul(patches.transpose(0, 2, 1), patches)
     else:
         gram = np.matmul(patches, patches.transpose(0, 2, 1))
+    clock.lap("Gram")
     forms = lapack.eigenvalues(gram)
+    clock.lap("eigenvalues")
     if options.noise_given:
         sigma2 = given_noise_variance(options.noise_variance, voxels, took_part)
         rank = given_noise_threshold(forms.eigenvalues, n_voxels, n_volumes, sigma2)
     else:
         rank, sigma2 = marchenko_pastur_threshold(forms.eigenvalues, n_voxels, n_volumes, options.estimator)
-    return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part)
-
-
-def fit_windows(volume, finite, plan, options, windows) -> WindowFit:
-    """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and run MP-PCA on
-    each: Gram matrix, all its eigenvalues, the threshold (``window_spectra``), then the kept eigenvectors
-    (``lapack``)."""
-    spectra = window_spectra(volume, finite, plan, options, windows)
-    eigenvectors = lapack.leading_eigenvectors(spectra.forms, spectra.rank)
-    return WindowFit(spectra.patches, spectra.means, eigenvectors, spectra.time_side, spectra.rank,
-                     spectra.sigma2, spectra.voxels, spectra.took_part)
+    clock.lap("threshold")
+    eigenvectors = lapack.leading_eigenvectors(forms, rank)
+    clock.lap("eigenvectors")
+    return WindowFit(patches, means, eigenvectors, time_side, rank, sigma2, voxels, took_part)
 
 
 def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
@@ -193,7 +201,7 @@ def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
     return np.where(counted, values, 0.0).sum(axis=1) / np.maximum(counted.sum(axis=1), 1)
 
 
-def run_unit(volume, finite, plan, options, unit: Unit):
+def run_unit(volume, finite, plan, options, unit: Unit, clock=NO_CLOCK):
     """Denoise one unit; return its contribution (see ``denoise_cpu`` for the two shapes)."""
     step = batch_size(plan.patch_size, volume.shape[1])
     n_volumes = volume.shape[1]
@@ -205,11 +213,13 @@ def run_unit(volume, finite, plan, options, unit: Unit):
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
             a, b = np.searchsorted(plan.centre_window, [start, stop])
-            fit = fit_windows(volume, finite, plan, options, slice(start, stop))
+            fit = fit_windows(volume, finite, plan, options, slice(start, stop), clock)
             window = plan.centre_window[a:b] - start
             rows[a - first:b - first] = fit.reconstruct_rows(window, plan.centre_position[a:b])
+            clock.lap("reconstruction")
             sigma[a - first:b - first] = np.sqrt(fit.sigma2[window])
             rank[a - first:b - first] = fit.rank[window]
+            clock.lap("accumulation")
         return plan.centre_voxel[first:last], rows, sigma, rank
 
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
@@ -223,11 +233,12 @@ def run_unit(volume, finite, plan, options, unit: Unit):
     rank = np.zeros(slab_voxels)
     for start in range(unit.start, unit.stop, step):
         stop = min(start + step, unit.stop)
-        fit = fit_windows(volume, finite, plan, options, slice(start, stop))
+        fit = fit_windows(volume, finite, plan, options, slice(start, stop), clock)
         restored = fit.reconstruct()
         w = aggregation_weights(fit.rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
         voxel_weight = w[:, None] * fit.took_part  # (B, n): left-out voxels receive nothing
         restored *= voxel_weight[:, :, None]
+        clock.lap("reconstruction")
         # each window adds its block into the slab: one slice per window, windows in plan order
         block = (ex, ey, ez, n_volumes)
         for b, (_, y0, z0) in enumerate(plan.window_corner[start:stop]):
@@ -236,6 +247,7 @@ def run_unit(volume, finite, plan, options, unit: Unit):
         weight += np.bincount(flat, voxel_weight.ravel(), slab_voxels)
         sigma += np.bincount(flat, (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), slab_voxels)
         rank += np.bincount(flat, (voxel_weight * fit.rank[:, None]).ravel(), slab_voxels)
+        clock.lap("accumulation")
     return slab_start, image, weight, sigma, rank
 
 
@@ -244,12 +256,36 @@ def run_unit(volume, finite, plan, options, unit: Unit):
 _WORKER = {}
 
 
+def process_threads() -> dict:
+    """This process's id, its number of threads (the names of those Python knows), and the thread pools
+    threadpoolctl finds in it with their sizes (BLAS and OpenMP should each hold one thread in a worker)."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux
+        threads = None
+    pools = [dict(api=pool["user_api"], library=pool["internal_api"], threads=pool["num_threads"])
+             for pool in threadpool_info()]
+    return dict(pid=os.getpid(), threads=threads, python_threads=[t.name for t in threading.enumerate()],
+                threadpools=pools)
+
+
+def timed_unit(run, unit_index, *args):
+    """``run(*args, clock)`` with a ``PhaseClock``; returns its result and the unit's report: index, process,
+    start and end (``time.perf_counter``, the same clock in every process on one machine) and seconds per
+    phase."""
+    clock = PhaseClock()
+    started = clock.last
+    result = run(*args, clock)
+    return result, dict(unit=unit_index, pid=os.getpid(), start=started, stop=time.perf_counter(),
+                        seconds=clock.seconds)
+
+
 def _one_thread():
     """Limit BLAS/OpenMP (NumPy's and SciPy's LAPACK) to one thread; returns an undo."""
     return threadpool_limits(limits=1).restore_original_limits
 
 
-def _attach(volume_name, volume_shape, finite_name, plan, options):
+def _attach(volume_name, volume_shape, finite_name, plan, options, profile):
     """Worker initializer: map the shared input, limit BLAS to one thread. Ctrl-C is the parent's to handle:
     workers ignore SIGINT, so an interrupt prints one message, not a traceback per worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -258,14 +294,21 @@ def _attach(volume_name, volume_shape, finite_name, plan, options):
     _WORKER.update(
         volume=np.ndarray(volume_shape, dtype=np.float32, buffer=volume_shm.buf),
         finite=np.ndarray(volume_shape[:1], dtype=bool, buffer=finite_shm.buf),
-        plan=plan, options=options, handles=(volume_shm, finite_shm),
+        plan=plan, options=options, handles=(volume_shm, finite_shm), profile=profile,
     )
     _one_thread()
+    if profile:
+        _WORKER.update(ready=time.perf_counter(), process=process_threads())
 
 
-def _run_in_worker(work, unit):
+def _run_unit_in_worker(numbered):
+    index, unit = numbered
     w = _WORKER
-    return work(w["volume"], w["finite"], w["plan"], w["options"], unit)
+    args = (w["volume"], w["finite"], w["plan"], w["options"], unit)
+    if not w["profile"]:
+        return run_unit(*args), None
+    result, report = timed_unit(run_unit, index, *args)
+    return result, dict(report, ready=w["ready"], process=w["process"])
 
 
 def _shared_memory(nbytes):
@@ -347,43 +390,12 @@ def _tests_main_name(test) -> bool:
             and {getattr(side, "value", None) for side in sides} >= {"__main__"})
 
 
-def run_units(work, data, finite_flat, plan, options, units, *, nprocs, context, add, progress=None):
-    """Run ``work(volume, finite_flat, plan, options, unit)`` (a module-level function) for every unit and hand
-    each result to ``add``, in unit order: in this process when ``context`` is None, else in ``nprocs`` worker
-    processes started by ``context`` (``_process_context``) that share the input (``_attach``)."""
-    n_voxels, n_volumes = len(finite_flat), data.shape[3]
-    if context is None:
-        volume = _voxel_major(data, np.empty)
-        undo = _one_thread()
-        try:
-            for done, unit in enumerate(units, 1):
-                add(work(volume, finite_flat, plan, options, unit))
-                if progress:
-                    progress(done, len(units))
-        finally:
-            undo()
-    else:
-        volume_shm, finite_shm = None, _shared_copy(finite_flat)
-        try:
-            volume_shm = _shared_memory(n_voxels * n_volumes * 4)
-            _voxel_major(data, lambda shape, dtype: np.ndarray(shape, dtype, buffer=volume_shm.buf))
-            with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
-                                     initargs=(volume_shm.name, (n_voxels, n_volumes), finite_shm.name,
-                                               plan, options)) as pool:
-                for done, result in enumerate(pool.map(partial(_run_in_worker, work), units), 1):
-                    add(result)
-                    if progress:
-                        progress(done, len(units))
-        finally:
-            for shm in (volume_shm, finite_shm):
-                if shm is not None:
-                    shm.close()
-                    shm.unlink()
-
-
 def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
-    """Run the plan on the CPU and return the per-voxel sums (``engine.PatchSums``)."""
+    """Run the plan on the CPU and return the per-voxel sums (``engine.PatchSums``). With ``PROFILE`` set,
+    ``info["profile"]`` says where the time went (``profile_summary``)."""
     started = time.perf_counter()
+    profile = PROFILE
+    clock = PhaseClock() if profile else NO_CLOCK
     n_voxels = int(np.prod(data.shape[:3]))
     n_volumes = data.shape[3]
     finite_flat = finite.reshape(n_voxels)
@@ -398,6 +410,7 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     weight = np.zeros(n_voxels)
     sigma = np.zeros(n_voxels)
     rank = np.zeros(n_voxels)
+    reports = []
 
     def add(result):
         if center:
@@ -414,8 +427,82 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
             sigma[start:stop] += slab_sigma
             rank[start:stop] += slab_rank
 
-    run_units(run_unit, data, finite_flat, plan, options, units, nprocs=nprocs, context=context, add=add,
-              progress=progress)
-    return PatchSums(image, weight, sigma, rank,
-                     info=dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver="LAPACK dsytrd/dsterf/dstein",
-                               seconds_engine=time.perf_counter() - started))
+    clock.lap("setup")
+    if nprocs == 1:
+        volume = _voxel_major(data, np.empty)
+        undo = _one_thread()
+        process = process_threads() if profile else None
+        clock.lap("shared copy")
+        try:
+            for done, unit in enumerate(units, 1):
+                if profile:
+                    result, report = timed_unit(run_unit, done - 1, volume, finite_flat, plan, options, unit)
+                    reports.append(dict(report, ready=started, process=process))
+                    clock.last = report["stop"]
+                else:
+                    result = run_unit(volume, finite_flat, plan, options, unit)
+                add(result)
+                clock.lap("reduction")
+                if progress:
+                    progress(done, len(units))
+        finally:
+            undo()
+    else:
+        volume_shm, finite_shm = None, _shared_copy(finite_flat)
+        try:
+            volume_shm = _shared_memory(n_voxels * n_volumes * 4)
+            _voxel_major(data, lambda shape, dtype: np.ndarray(shape, dtype, buffer=volume_shm.buf))
+            clock.lap("shared copy")
+            with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
+                                     initargs=(volume_shm.name, (n_voxels, n_volumes), finite_shm.name,
+                                               plan, options, profile)) as pool:
+                results = pool.map(_run_unit_in_worker, enumerate(units))
+                clock.lap("pool start")
+                for done, (result, report) in enumerate(results, 1):
+                    clock.lap("waiting")
+                    add(result)
+                    if profile:
+                        reports.append(report)
+                    clock.lap("reduction")
+                    if progress:
+                        progress(done, len(units))
+            clock.lap("pool stop")
+        finally:
+            for shm in (volume_shm, finite_shm):
+                if shm is not None:
+                    shm.close()
+                    shm.unlink()
+            clock.lap("pool stop")
+
+    seconds = time.perf_counter() - started
+    info = dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver="LAPACK dsytrd/dsterf/dstein",
+                seconds_engine=seconds)
+    if profile:
+        info["profile"] = profile_summary(reports, clock.seconds, started, seconds, len(units))
+    return PatchSums(image, weight, sigma, rank, info=info)
+
+
+def profile_summary(reports, parent_seconds, started, wall, n_units) -> dict:
+    """``info["profile"]``: ``wall`` (the engine's seconds), ``parent`` (seconds per phase of the calling
+    process: setup, shared copy, pool start, waiting, reduction, pool stop), ``workers`` (per process: its
+    ``units``, seconds per ``phases`` summed over them, ``busy`` (in units), ``span`` (its first unit's start to
+    its last unit's end), ``ready`` (seconds from the start to its pool's start-up done), ``threads`` and
+    ``threadpools`` (``process_threads``)), and ``units`` (index, pid, start and end in seconds from the start)."""
+    workers = {}
+    for report in reports:
+        worker = workers.setdefault(report["pid"], dict(
+            pid=report["pid"], units=0, phases={}, busy=0.0, first=report["start"], last=report["stop"],
+            ready=report["ready"] - started, threads=report["process"]["threads"],
+            python_threads=report["process"]["python_threads"], threadpools=report["process"]["threadpools"]))
+        worker["units"] += 1
+        worker["busy"] += report["stop"] - report["start"]
+        worker["first"] = min(worker["first"], report["start"])
+        worker["last"] = max(worker["last"], report["stop"])
+        for phase, value in report["seconds"].items():
+            worker["phases"][phase] = worker["phases"].get(phase, 0.0) + value
+    for worker in workers.values():
+        worker["span"] = worker.pop("last") - worker.pop("first")
+    units = [dict(unit=r["unit"], pid=r["pid"], start=r["start"] - started, stop=r["stop"] - started)
+             for r in reports]
+    return dict(wall=wall, n_units=n_units, parent=dict(parent_seconds), workers=list(workers.values()),
+                units=units)
