@@ -106,6 +106,8 @@ def phase_table(result: dict) -> str:
     for phase in worker_phases:
         lines.append(f"| {phase} | {cells([worker_sum(p, phase) for p in profiles], worker_sum(base, phase))} |")
     lines.append(f"| **in units** | {cells([busy(p) for p in profiles], busy(base))} |")
+    lines.append("| CPU seconds in units | " + " | ".join(f"{sum(w['cpu'] for w in p['workers']):.2f} | "
+                                                         for p in profiles) + " |")
     lines.append("| outside units | " + " | ".join(f"{outside(p):.2f} | " for p in profiles) + " |")
     lines.append("| balance (slowest / mean busy) | " + " | ".join(
         f"{max(w['busy'] for w in p['workers']) / (busy(p) / len(p['workers'])):.2f} | " for p in profiles) + " |")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+import mmap
 import multiprocessing
 from multiprocessing import shared_memory
 import os
@@ -69,20 +70,30 @@ NO_CLOCK = _Stopped()
 
 @dataclass
 class Unit:
-    """Windows ``start:stop`` of the plan; they all have their corner on x-plane ``x0``."""
+    """Windows ``start:stop`` of the plan; they all have their corner on x-plane ``x0``. ``turns[i]``: how many
+    units before this one add into x-plane ``x0 + i`` (its place in that plane's order of additions)."""
 
     start: int
     stop: int
     x0: int
+    turns: np.ndarray
 
 
 def work_units(plan) -> list[Unit]:
-    """Split the plan's windows (sorted by corner x) into one unit per corner x-plane."""
+    """Split the plan's windows (sorted by corner x) into one unit per corner x-plane, in order."""
     cx = plan.window_corner[:, 0]
     bounds = np.flatnonzero(np.diff(cx)) + 1
     starts = np.concatenate([[0], bounds]).astype(int)
     stops = np.concatenate([bounds, [len(cx)]]).astype(int)
-    return [Unit(int(a), int(b), int(cx[a])) for a, b in zip(starts, stops) if b > a]
+    added = np.zeros(plan.spatial_shape[0], dtype=np.int64)  # units so far that add into each x-plane
+    units = []
+    for a, b in zip(starts, stops):
+        if b > a:
+            x0 = int(cx[a])
+            planes = slice(x0, x0 + plan.extent[0])
+            units.append(Unit(int(a), int(b), x0, added[planes].copy()))
+            added[planes] += 1
+    return units
 
 
 def batch_size(n_voxels: int, n_volumes: int) -> int:
@@ -201,26 +212,58 @@ def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
     return np.where(counted, values, 0.0).sum(axis=1) / np.maximum(counted.sum(axis=1), 1)
 
 
-def run_unit(volume, finite, plan, options, unit: Unit, clock=NO_CLOCK):
-    """Denoise one unit; return its contribution (see ``denoise_cpu`` for the two shapes)."""
+class PlaneTurns:
+    """The order in which units add into each x-plane of the sums: unit order, whichever process runs them.
+
+    ``added`` (X,) int64, shared by the processes: how many units have added into each plane. A unit adds into
+    plane ``x0 + i`` once ``added[x0 + i] == turns[i]``, so every plane's float32 sum is the same additions
+    in the same order for any number of processes, with no reduction left to the parent. Units start in
+    unit order, so the units a plane waits for are running or done: no deadlock. ``condition`` (a
+    multiprocessing or threading Condition) guards ``added`` and orders the writes to the sums before it.
+    """
+
+    def __init__(self, added, condition):
+        self.added, self.condition = added, condition
+
+    def ready(self, unit: Unit, pending: list[int]) -> list[int]:
+        """Those of the unit's planes ``pending`` (offsets from ``x0``) whose turn it is; waits for one."""
+        with self.condition:
+            while True:
+                ready = [i for i in pending if self.added[unit.x0 + i] == unit.turns[i]]
+                if ready:
+                    return ready
+                self.condition.wait()
+
+    def done(self, unit: Unit, planes: list[int]):
+        with self.condition:
+            self.added[[unit.x0 + i for i in planes]] += 1
+            self.condition.notify_all()
+
+
+def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: PlaneTurns, clock=NO_CLOCK):
+    """Denoise one unit and add its contribution into ``sums`` (flat (V, T) and (V,) arrays).
+
+    ``center``: each voxel takes the row of its own window, which lies in one unit: written, no order needed.
+    Else the unit's windows add into a slab of its ``extent[0]`` x-planes, in plan order, and the slab is
+    added into the sums plane by plane in the planes' turns (``PlaneTurns``)."""
     step = batch_size(plan.patch_size, volume.shape[1])
     n_volumes = volume.shape[1]
+    clock.lap("setup")
     if options.aggregation == "center":
-        first, last = np.searchsorted(plan.centre_window, [unit.start, unit.stop])
-        rows = np.empty((last - first, n_volumes), dtype=np.float32)
-        sigma = np.empty(last - first)
-        rank = np.empty(last - first)
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
             a, b = np.searchsorted(plan.centre_window, [start, stop])
             fit = fit_windows(volume, finite, plan, options, slice(start, stop), clock)
             window = plan.centre_window[a:b] - start
-            rows[a - first:b - first] = fit.reconstruct_rows(window, plan.centre_position[a:b])
+            rows = fit.reconstruct_rows(window, plan.centre_position[a:b])
             clock.lap("reconstruction")
-            sigma[a - first:b - first] = np.sqrt(fit.sigma2[window])
-            rank[a - first:b - first] = fit.rank[window]
+            voxel = plan.centre_voxel[a:b]
+            sums.image[voxel] = rows
+            sums.weight[voxel] = 1.0
+            sums.sigma[voxel] = np.sqrt(fit.sigma2[window])
+            sums.rank[voxel] = fit.rank[window]
             clock.lap("accumulation")
-        return plan.centre_voxel[first:last], rows, sigma, rank
+        return
 
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
     slab_start = unit.x0 * plane
@@ -248,7 +291,21 @@ def run_unit(volume, finite, plan, options, unit: Unit, clock=NO_CLOCK):
         sigma += np.bincount(flat, (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), slab_voxels)
         rank += np.bincount(flat, (voxel_weight * fit.rank[:, None]).ravel(), slab_voxels)
         clock.lap("accumulation")
-    return slab_start, image, weight, sigma, rank
+
+    pending = list(range(ex))
+    while pending:
+        ready = turns.ready(unit, pending)
+        clock.lap("turn wait")
+        for i in ready:
+            into = slice(slab_start + i * plane, slab_start + (i + 1) * plane)
+            mine = slice(i * plane, (i + 1) * plane)
+            sums.image[into] += image[mine]
+            sums.weight[into] += weight[mine]
+            sums.sigma[into] += sigma[mine]
+            sums.rank[into] += rank[mine]
+        turns.done(unit, ready)
+        clock.lap("deposit")
+        pending = [i for i in pending if i not in ready]
 
 
 # -- worker processes ------------------------------------------------------------------------------------
@@ -271,13 +328,13 @@ def process_threads() -> dict:
 
 def timed_unit(run, unit_index, *args):
     """``run(*args, clock)`` with a ``PhaseClock``; returns its result and the unit's report: index, process,
-    start and end (``time.perf_counter``, the same clock in every process on one machine) and seconds per
-    phase."""
+    start and end (``time.perf_counter``, the same clock in every process on one machine), the process's CPU
+    seconds in it (less than its span when the process waited or others took its CPU) and seconds per phase."""
     clock = PhaseClock()
-    started = clock.last
+    started, cpu = clock.last, time.process_time()
     result = run(*args, clock)
     return result, dict(unit=unit_index, pid=os.getpid(), start=started, stop=time.perf_counter(),
-                        seconds=clock.seconds)
+                        cpu=time.process_time() - cpu, seconds=clock.seconds)
 
 
 def _one_thread():
@@ -285,9 +342,9 @@ def _one_thread():
     return threadpool_limits(limits=1).restore_original_limits
 
 
-def _attach(volume_name, volume_shape, finite_name, plan, options, profile):
-    """Worker initializer: map the shared input, limit BLAS to one thread. Ctrl-C is the parent's to handle:
-    workers ignore SIGINT, so an interrupt prints one message, not a traceback per worker."""
+def _attach(volume_name, volume_shape, finite_name, plan, options, outputs, turns, profile):
+    """Worker initializer: map the shared input and the shared sums, limit BLAS to one thread. Ctrl-C is the
+    parent's to handle: workers ignore SIGINT, so an interrupt prints one message, not a traceback per worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     volume_shm = shared_memory.SharedMemory(name=volume_name)
     finite_shm = shared_memory.SharedMemory(name=finite_name)
@@ -295,6 +352,8 @@ def _attach(volume_name, volume_shape, finite_name, plan, options, profile):
         volume=np.ndarray(volume_shape, dtype=np.float32, buffer=volume_shm.buf),
         finite=np.ndarray(volume_shape[:1], dtype=bool, buffer=finite_shm.buf),
         plan=plan, options=options, handles=(volume_shm, finite_shm), profile=profile,
+        sums=PatchSums(*(_shared_view(*output) for output in outputs)),
+        turns=PlaneTurns(_shared_view(*turns[0]), turns[1]),
     )
     _one_thread()
     if profile:
@@ -302,13 +361,31 @@ def _attach(volume_name, volume_shape, finite_name, plan, options, profile):
 
 
 def _run_unit_in_worker(numbered):
+    """Run one unit in a worker; returns its profile report, or None when not profiling."""
     index, unit = numbered
     w = _WORKER
-    args = (w["volume"], w["finite"], w["plan"], w["options"], unit)
+    args = (w["volume"], w["finite"], w["plan"], w["options"], unit, w["sums"], w["turns"])
     if not w["profile"]:
-        return run_unit(*args), None
-    result, report = timed_unit(run_unit, index, *args)
-    return result, dict(report, ready=w["ready"], process=w["process"])
+        run_unit(*args)
+        return None
+    _, report = timed_unit(run_unit, index, *args)
+    return dict(report, ready=w["ready"], process=w["process"])
+
+
+def _shared_zeros(shape, dtype, context):
+    """Zeros in memory that ``context``'s workers share, as (buffer, dtype, shape) for ``_shared_view``: an
+    anonymous shared mapping, which forked workers inherit (its pages are zero until written, by whichever
+    process touches them first), else a ``RawArray``, handed to forkserver workers as a file descriptor."""
+    nbytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
+    if context.get_start_method() == "fork":
+        buffer = mmap.mmap(-1, nbytes)
+    else:
+        buffer = context.RawArray("b", nbytes)
+    return buffer, np.dtype(dtype).str, tuple(shape)
+
+
+def _shared_view(buffer, dtype, shape):
+    return np.frombuffer(buffer, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 def _shared_memory(nbytes):
@@ -404,50 +481,35 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     context = _process_context(nprocs)
     if context is None:
         nprocs = 1
-
-    center = options.aggregation == "center"
-    image = np.zeros((n_voxels, n_volumes), dtype=np.float32)
-    weight = np.zeros(n_voxels)
-    sigma = np.zeros(n_voxels)
-    rank = np.zeros(n_voxels)
+    output_shapes = [((n_voxels, n_volumes), np.float32)] + [((n_voxels,), np.float64)] * 3
     reports = []
-
-    def add(result):
-        if center:
-            voxel, rows, s, r = result
-            image[voxel] = rows
-            weight[voxel] = 1.0
-            sigma[voxel] = s
-            rank[voxel] = r
-        else:
-            start, slab_image, slab_weight, slab_sigma, slab_rank = result
-            stop = start + len(slab_weight)
-            image[start:stop] += slab_image
-            weight[start:stop] += slab_weight
-            sigma[start:stop] += slab_sigma
-            rank[start:stop] += slab_rank
-
     clock.lap("setup")
+
     if nprocs == 1:
         volume = _voxel_major(data, np.empty)
+        sums = PatchSums(*(np.zeros(shape, dtype) for shape, dtype in output_shapes))
+        turns = PlaneTurns(np.zeros(plan.spatial_shape[0], dtype=np.int64), threading.Condition())
         undo = _one_thread()
         process = process_threads() if profile else None
-        clock.lap("shared copy")
+        clock.lap("outputs")
         try:
             for done, unit in enumerate(units, 1):
+                args = (volume, finite_flat, plan, options, unit, sums, turns)
                 if profile:
-                    result, report = timed_unit(run_unit, done - 1, volume, finite_flat, plan, options, unit)
+                    _, report = timed_unit(run_unit, done - 1, *args)
                     reports.append(dict(report, ready=started, process=process))
                     clock.last = report["stop"]
                 else:
-                    result = run_unit(volume, finite_flat, plan, options, unit)
-                add(result)
-                clock.lap("reduction")
+                    run_unit(*args)
                 if progress:
                     progress(done, len(units))
         finally:
             undo()
     else:
+        outputs = [_shared_zeros(shape, dtype, context) for shape, dtype in output_shapes]
+        added = _shared_zeros((plan.spatial_shape[0],), np.int64, context)
+        sums = PatchSums(*(_shared_view(*output) for output in outputs))
+        clock.lap("outputs")
         volume_shm, finite_shm = None, _shared_copy(finite_flat)
         try:
             volume_shm = _shared_memory(n_voxels * n_volumes * 4)
@@ -455,18 +517,16 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
             clock.lap("shared copy")
             with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
                                      initargs=(volume_shm.name, (n_voxels, n_volumes), finite_shm.name,
-                                               plan, options, profile)) as pool:
-                results = pool.map(_run_unit_in_worker, enumerate(units))
+                                               plan, options, outputs, (added, context.Condition()),
+                                               profile)) as pool:
+                finished = pool.map(_run_unit_in_worker, enumerate(units))
                 clock.lap("pool start")
-                for done, (result, report) in enumerate(results, 1):
-                    clock.lap("waiting")
-                    add(result)
+                for done, report in enumerate(finished, 1):
                     if profile:
                         reports.append(report)
-                    clock.lap("reduction")
                     if progress:
                         progress(done, len(units))
-            clock.lap("pool stop")
+                clock.lap("waiting")
         finally:
             for shm in (volume_shm, finite_shm):
                 if shm is not None:
@@ -475,17 +535,18 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
             clock.lap("pool stop")
 
     seconds = time.perf_counter() - started
-    info = dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver="LAPACK dsytrd/dsterf/dstein",
-                seconds_engine=seconds)
+    sums.info = dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver="LAPACK dsytrd/dsterf/dstein",
+                     seconds_engine=seconds)
     if profile:
-        info["profile"] = profile_summary(reports, clock.seconds, started, seconds, len(units))
-    return PatchSums(image, weight, sigma, rank, info=info)
+        sums.info["profile"] = profile_summary(reports, clock.seconds, started, seconds, len(units))
+    return sums
 
 
 def profile_summary(reports, parent_seconds, started, wall, n_units) -> dict:
     """``info["profile"]``: ``wall`` (the engine's seconds), ``parent`` (seconds per phase of the calling
-    process: setup, shared copy, pool start, waiting, reduction, pool stop), ``workers`` (per process: its
-    ``units``, seconds per ``phases`` summed over them, ``busy`` (in units), ``span`` (its first unit's start to
+    process: setup, outputs (allocating the sums), shared copy (of the input), pool start, waiting (for the
+    workers), pool stop), ``workers`` (per process: its
+    ``units``, seconds per ``phases`` summed over them, ``busy`` (in units), ``cpu`` (its CPU seconds in units), ``span`` (its first unit's start to
     its last unit's end), ``ready`` (seconds from the start to its pool's start-up done), ``threads`` and
     ``threadpools`` (``process_threads``)), and ``units`` (index, pid, start and end in seconds from the start)."""
     workers = {}
@@ -496,6 +557,7 @@ def profile_summary(reports, parent_seconds, started, wall, n_units) -> dict:
             python_threads=report["process"]["python_threads"], threadpools=report["process"]["threadpools"]))
         worker["units"] += 1
         worker["busy"] += report["stop"] - report["start"]
+        worker["cpu"] = worker.get("cpu", 0.0) + report["cpu"]
         worker["first"] = min(worker["first"], report["start"])
         worker["last"] = max(worker["last"], report["stop"])
         for phase, value in report["seconds"].items():

@@ -76,14 +76,15 @@ def voxel_rows(data: np.ndarray):
 def rows_of_planes(data: np.ndarray, planes: slice, out: np.ndarray, threads: int | None = None,
                    z_planes: slice | None = None):
     """x-planes ``planes`` of the 4D ``data`` (either order) into ``out``: their rows, (planes * Y * Z, T)
-    contiguous float32 (the voxel-major order). Volume-major data are copied in blocks on threads.
-    ``z_planes``: only the rows of those z-planes, on the calling thread (a part of a copy split by the
+    contiguous float32 (the voxel-major order), on threads (volume-major data in blocks). ``z_planes``: only the rows of those z-planes, on the calling thread (a part of a copy split by the
     caller)."""
     selected = data[planes]
     out4 = out.reshape(selected.shape)
-    if not is_volume_major(data):
-        zs = slice(None) if z_planes is None else z_planes
-        np.copyto(out4[:, :, zs], selected[:, :, zs])
+    if not is_volume_major(data):  # rows to rows: x-planes on threads
+        if z_planes is not None:
+            np.copyto(out4[:, :, z_planes], selected[:, :, z_planes])
+        else:
+            _in_parts(lambda xs: np.copyto(out4[xs], selected[xs]), out4.shape[0], out4.size, threads)
         return out
     source = selected.transpose(3, 2, 1, 0)  # (T, Z, Y, planes): contiguous runs along x
 
@@ -103,16 +104,20 @@ def rows_of_planes(data: np.ndarray, planes: slice, out: np.ndarray, threads: in
 def planes_of_rows(rows: np.ndarray, out: np.ndarray, planes: slice = slice(None), divisor=None,
                    threads: int | None = None):
     """The reverse of ``rows_of_planes``: the rows (planes * Y * Z, T) written into x-planes ``planes`` of the 4D
-    ``out`` (either order), each row divided by its ``divisor`` (planes * Y * Z,) when given. Volume-major
-    ``out`` is written in blocks on threads."""
+    ``out`` (either order), each row divided by its ``divisor`` (planes * Y * Z,) when given; on threads
+    (volume-major ``out`` in blocks)."""
     target = out[planes]
     rows4 = rows.reshape(target.shape)
     scale = None if divisor is None else np.asarray(divisor).reshape(target.shape[:3] + (1,))
-    if not is_volume_major(out):
-        if scale is None:
-            np.copyto(target, rows4)
-        else:
-            np.divide(rows4, scale, out=target, casting="unsafe")
+    if not is_volume_major(out):  # rows to rows: x-planes on threads
+
+        def copy_x(xs):
+            if scale is None:
+                np.copyto(target[xs], rows4[xs])
+            else:
+                np.divide(rows4[xs], scale[xs], out=target[xs], casting="unsafe")
+
+        _in_parts(copy_x, target.shape[0], target.size, threads)
         return out
     destination = target.transpose(3, 2, 1, 0)  # (T, Z, Y, planes)
 
@@ -132,7 +137,7 @@ def planes_of_rows(rows: np.ndarray, out: np.ndarray, planes: slice = slice(None
 
 
 def _in_parts(work, n_planes: int, n_values: int, threads: int | None):
-    """``work(slice of z-planes)`` over ``n_planes`` z-planes, split among threads (NumPy's copies release
+    """``work(slice of planes)`` over ``n_planes`` planes (z-planes, or x-planes of voxel-major data), split among threads (NumPy's copies release
     the GIL): at most ``COPY_THREADS``, the CPUs this process may use, and one per ``COPY_MIN_VALUES``."""
     global _pool
     if threads is None:
