@@ -38,8 +38,10 @@ from .estimators import (aggregation_weights, given_noise_threshold, marchenko_p
                          signal_projector)
 from .layout import is_volume_major, rows_of_planes
 
-#: Memory one batch may use for its patch matrices (float64), per process.
-BATCH_BYTES = 48 * 2**20
+#: Memory one batch may use for its patch matrices (float64), per process. Small enough that NumPy's
+#: temporaries come back from the allocator's heap instead of fresh pages from the kernel (48 MB batches took
+#: 200,000 page faults and 10% more time on one worker; docs/benchmarks.md, "The CPU engine on a node").
+BATCH_BYTES = 12 * 2**20
 
 #: When true, ``denoise_cpu`` times each phase of the work in the workers and the parent and reports it in
 #: ``info["profile"]`` (``PhaseClock``); when false the phases are not timed.
