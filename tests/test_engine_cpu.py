@@ -8,6 +8,7 @@ is an integer per patch (center) or a weighted mean of them (float32 output): ex
 """
 
 import itertools
+import threading
 import warnings
 
 import numpy as np
@@ -169,6 +170,72 @@ def test_two_processes_give_bit_identical_results(aggregation, stride, given_noi
     assert np.array_equal(one.denoised, two.denoised, equal_nan=True)
     assert np.array_equal(one.sigma, two.sigma)
     assert np.array_equal(one.rank, two.rank)
+
+
+@pytest.mark.parametrize("case", ["time-side", "voxel-side", "anisotropic", "mask"])
+@pytest.mark.parametrize("aggregation, demean, stride", [("center", "none", 1), ("weighted", "volume", 1),
+                                                         ("uniform", "voxel", 2)])
+def test_any_number_of_processes_gives_bit_identical_results(case, aggregation, demean, stride):
+    """Units add into each x-plane in unit order whichever process runs them, so 1, 2 and 3 processes
+    give the same bits, NaN voxels and a mask included."""
+    data, mask, extent = case_data(case, seed=7)
+    data = np.concatenate([data, data[::-1]], axis=0)  # x-planes enough for 3 units or more
+    mask = None if mask is None else np.concatenate([mask, mask], axis=0)
+    data[1, 2, 3, 4] = np.nan
+    options = dict(extent=extent, stride=stride, aggregation=aggregation, demean=demean, estimator="exp2",
+                   device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MPPCAWarning)
+        runs = {nprocs: denoise(data, mask, nprocs=nprocs, **options) for nprocs in (1, 2, 3)}
+    assert [run.info["nprocs"] for run in runs.values()] == [1, 2, 3]
+    for nprocs in (2, 3):
+        assert np.array_equal(runs[1].denoised, runs[nprocs].denoised, equal_nan=True)
+        assert np.array_equal(runs[1].sigma, runs[nprocs].sigma)
+        assert np.array_equal(runs[1].rank, runs[nprocs].rank)
+
+
+def test_a_unit_adds_into_a_plane_only_after_the_units_before_it():
+    from mppca_nipype.engine.cpu import PlaneTurns, work_units
+    from mppca_nipype.engine.patches import plan_patches
+
+    shape = (7, 5, 6)
+    everything = np.ones(shape, bool)
+    units = work_units(plan_patches(shape, (3, 3, 3), 1, everything, everything))  # unit k: x-planes k..k+2
+    assert [unit.x0 for unit in units] == [0, 1, 2, 3, 4]
+    assert [list(unit.turns) for unit in units[:3]] == [[0, 0, 0], [1, 1, 0], [2, 1, 0]]
+    turns = PlaneTurns(np.zeros(shape[0], dtype=np.int64), threading.Condition())
+    assert turns.ready(units[1], [0, 1, 2]) == [2]  # x-plane 3: no unit before it adds there
+    turns.done(units[1], [2])
+    waiting = threading.Thread(target=turns.ready, args=(units[1], [0, 1]))
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive()  # x-planes 1 and 2 wait for unit 0
+    assert turns.ready(units[0], [0, 1, 2]) == [0, 1, 2]
+    turns.done(units[0], [0, 1, 2])
+    waiting.join(5)
+    assert not waiting.is_alive()
+    assert list(turns.added) == [1, 1, 1, 1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_the_profile_reports_each_phase_and_the_workers_threads_when_asked(monkeypatch, nprocs):
+    from mppca_nipype.engine import cpu
+
+    data, _, _ = case_data("time-side", seed=8)
+    options = dict(extent=3, stride=1, device="cpu", nprocs=nprocs)
+    assert "profile" not in denoise(data, **options).info
+    monkeypatch.setattr(cpu, "PROFILE", True)
+    profile = denoise(data, **options).info["profile"]
+    assert len(profile["workers"]) == nprocs and len(profile["units"]) == profile["n_units"] == 5
+    phases = {"gather", "demean", "Gram", "eigenvalues", "threshold", "eigenvectors", "reconstruction",
+              "accumulation", "turn wait", "deposit"}
+    for worker in profile["workers"]:
+        assert set(worker["phases"]) >= phases
+        assert sum(worker["phases"].values()) <= worker["busy"] <= worker["span"] + 1e-6
+        assert worker["threads"] >= 1
+        assert {pool["threads"] for pool in worker["threadpools"] if pool["api"] == "blas"} == {1}
+    assert sum(worker["units"] for worker in profile["workers"]) == 5
+    assert {"setup", "outputs"} <= set(profile["parent"]) and 0 < profile["wall"]
 
 
 @pytest.mark.parametrize("extent, stride", [(3, 4), ((3, 5, 1), 2)])
