@@ -34,8 +34,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from . import lapack
 from .backend import PatchSums, available_cpus
 from .errors import MPPCAWarning
-from .estimators import (aggregation_weights, given_noise_threshold, marchenko_pastur_threshold,
-                         signal_projector)
+from .estimators import aggregation_weights, given_noise_threshold, marchenko_pastur_threshold
 from .layout import is_volume_major, rows_of_planes
 
 #: Memory one batch may use for its patch matrices (float64), per process. Small enough that NumPy's
@@ -132,12 +131,17 @@ class WindowFit:
         return np.arange(m)[None, :] >= (m - self.rank[windows])[:, None]
 
     def reconstruct(self):
-        """X_hat = X V_P V_P^T (time side) or U_P U_P^T X (voxel side), plus the means: (B, n, T)."""
-        projector = signal_projector(self.eigenvectors, self.rank)
+        """X_hat = (X V_P) V_P^T (time side) or U_P (U_P^T X) (voxel side), plus the means: (B, n, T).
+
+        V_P: the batch's largest rank of leading eigenvectors, which are 0 beyond each window's own rank, so
+        that the two thin products give each window its projection (an m x m projector V_P V_P^T would cost
+        m / P times as much to form and to apply)."""
+        m = self.eigenvectors.shape[-1]
+        leading = self.eigenvectors[:, :, m - int(self.rank.max(initial=0)):]  # (B, m, P)
         if self.time_side:
-            restored = np.matmul(self.patches, projector)
+            restored = np.matmul(np.matmul(self.patches, leading), leading.transpose(0, 2, 1))
         else:
-            restored = np.matmul(projector, self.patches)
+            restored = np.matmul(leading, np.matmul(leading.transpose(0, 2, 1), self.patches))
         if self.means is not None:
             restored += self.means
         return restored
