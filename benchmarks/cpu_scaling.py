@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_scaling.py --shape 96,96,60 --volumes 100 --workers 1,2,4,8,16
     python benchmarks/cpu_scaling.py --profile --shape 96,96,60 --volumes 100 --workers 1,2,4,8,16
+    python benchmarks/cpu_scaling.py --workers 1 --batch-mb 48,24,12,6,3      # the batch size, one worker
     python benchmarks/cpu_scaling.py --quick --out /tmp/cpu_scaling.json      # a smoke test in seconds
 
 Each worker count runs in a new interpreter (so that no pool or cache carries over): a warm-up call on a
@@ -35,27 +36,31 @@ import harness  # noqa: E402
 
 #: One timed run in a fresh interpreter; prints its seconds and the engine's info as JSON.
 CHILD = """
-import json, sys, time
+import json, resource, sys, time
 from mppca_nipype import denoise
 from mppca_nipype.engine import cpu
 from mppca_nipype.phantoms import dwi_phantom
 shape = tuple(int(s) for s in sys.argv[1].split(",")); volumes = int(sys.argv[2]); workers = int(sys.argv[3])
 cpu.PROFILE = sys.argv[4] == "profile"
+if sys.argv[5] != "default":
+    cpu.BATCH_BYTES = int(float(sys.argv[5]) * 2**20)
 noisy = dwi_phantom(shape, volumes, sigma=20.0)[0]
 denoise(noisy[:16, :16, :16], device="cpu", nprocs=workers)  # warm-up: imports, pool start
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 started = time.perf_counter()
 result = denoise(noisy, device="cpu", nprocs=workers)
 seconds = time.perf_counter() - started
-print(json.dumps(dict(seconds=seconds, eigensolver=result.info["eigensolver"], windows=result.info["n_windows"],
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults  # this process's: all of them on 1 worker
+print(json.dumps(dict(seconds=seconds, batch_mb=cpu.BATCH_BYTES / 2**20, minor_faults=faults, eigensolver=result.info["eigensolver"], windows=result.info["n_windows"],
                       phases=result.info["seconds"], profile=result.info.get("profile"))))
 """
 
 
-def run_workers(shape: str, volumes: int, workers: int, profile: bool) -> dict:
+def run_workers(shape: str, volumes: int, workers: int, profile: bool, batch_mb: str = "default") -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(harness.REPO),
                                                                     os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", CHILD, shape, str(volumes), str(workers),
-                           "profile" if profile else "plain"], capture_output=True, text=True, env=env)
+                           "profile" if profile else "plain", batch_mb], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"cpu_scaling: the run with {workers} workers failed:\n{done.stderr[-2000:]}")
     return dict(workers=workers, **json.loads(done.stdout.strip().splitlines()[-1]))
@@ -66,10 +71,12 @@ def table(result: dict) -> str:
     base = rows[0]["seconds"] * rows[0]["workers"]
     lines = [f"{result['shape']} x {result['volumes']} volumes, the defaults, {rows[0]['windows']} windows, "
              f"eigensolver {rows[0]['eigensolver']}; one run per worker count, each in a new process after a "
-             "warm-up call.", "", "| workers | wall s | speed-up | efficiency |", "| --- | --- | --- | --- |"]
+             "warm-up call.", "", "| workers | batch MB | wall s | speed-up | efficiency | minor page faults (caller) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         speedup = base / row["seconds"]
-        lines.append(f"| {row['workers']} | {row['seconds']:.2f} | {speedup:.2f} | {speedup / row['workers']:.0%} |")
+        lines.append(f"| {row['workers']} | {row['batch_mb']:g} | {row['seconds']:.2f} | {speedup:.2f} | "
+                     f"{speedup / row['workers']:.0%} | {row['minor_faults']:,} |")
     return "\n".join(lines)
 
 
@@ -138,6 +145,8 @@ def main(argv=None):
     parser.add_argument("--volumes", type=int, default=None, help="volumes (default 100; --quick: 30)")
     parser.add_argument("--workers", default=None, help="worker counts (default 1,2,4,8,16; --quick: 1,2)")
     parser.add_argument("--quick", action="store_true", help="a small phantom and 1, 2 workers: a smoke test")
+    parser.add_argument("--batch-mb", default=None,
+                        help="batch sizes in MB (engine.cpu.BATCH_BYTES) to time in turn at each worker count")
     parser.add_argument("--profile", action="store_true",
                         help="time the engine's phases in the workers and the parent; print a table per phase")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "cpu_scaling.json",
@@ -148,7 +157,8 @@ def main(argv=None):
     workers = [int(w) for w in (args.workers or ("1,2" if args.quick else "1,2,4,8,16")).split(",")]
 
     run = harness.stamp()
-    rows = [run_workers(shape, volumes, n, args.profile) for n in workers]
+    batches = args.batch_mb.split(",") if args.batch_mb else ["default"]
+    rows = [run_workers(shape, volumes, n, args.profile, mb) for n in workers for mb in batches]
     result = dict(stamp=run, shape=shape, volumes=volumes, profiled=args.profile, rows=rows)
     harness.finish(run)
     tables = table(result) + ("\n\n" + phase_table(result) if args.profile else "")
