@@ -51,7 +51,8 @@ started = time.perf_counter()
 result = denoise(noisy, device="cpu", nprocs=workers)
 seconds = time.perf_counter() - started
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults  # this process's: all of them on 1 worker
-print(json.dumps(dict(seconds=seconds, batch_mb=cpu.BATCH_BYTES / 2**20, minor_faults=faults, eigensolver=result.info["eigensolver"], windows=result.info["n_windows"],
+print(json.dumps(dict(seconds=seconds, batch_mb=cpu.BATCH_BYTES / 2**20, minor_faults=faults,
+                      eigensolver=result.info["eigensolver"], windows=result.info["n_windows"],
                       phases=result.info["seconds"], profile=result.info.get("profile"))))
 """
 
@@ -71,7 +72,8 @@ def table(result: dict) -> str:
     base = rows[0]["seconds"] * rows[0]["workers"]
     lines = [f"{result['shape']} x {result['volumes']} volumes, the defaults, {rows[0]['windows']} windows, "
              f"eigensolver {rows[0]['eigensolver']}; one run per worker count, each in a new process after a "
-             "warm-up call.", "", "| workers | batch MB | wall s | speed-up | efficiency | minor page faults (caller) |",
+             "warm-up call.", "",
+             "| workers | batch MB | wall s | speed-up | efficiency | minor page faults (caller) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         speedup = base / row["seconds"]
@@ -124,9 +126,9 @@ def phase_table(result: dict) -> str:
     serial = [sum(v for k, v in p["parent"].items() if k != "waiting") for p in profiles]
     lines.append("| **parent, serial** | " + " | ".join(f"{v:.2f} | " for v in serial) + " |")
     lines.append("| engine wall | " + " | ".join(f"{p['wall']:.2f} | " for p in profiles) + " |")
-    lines.append("| denoise() wall | " + " | ".join(f"{row['seconds']:.2f} | "
-                                                    f"{rows[0]['seconds'] * scale / row['seconds'] / row['workers']:.0%}"
-                                                    for row in rows) + " |")
+    efficiency = [rows[0]["seconds"] * scale / row["seconds"] / row["workers"] for row in rows]
+    lines.append("| denoise() wall | " + " | ".join(f"{row['seconds']:.2f} | {eff:.0%}"
+                                                    for row, eff in zip(rows, efficiency)) + " |")
     lines.append("| denoise(): output | " + " | ".join(f"{row['phases'].get('output', 0.0):.2f} | "
                                                        for row in rows) + " |")
     lines.append("")

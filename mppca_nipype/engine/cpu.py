@@ -1,15 +1,17 @@
 """The CPU backend: NumPy/OpenBLAS and LAPACK, batched over patches, spread over worker processes.
 
-Work is cut into *units*: all active windows whose corner lies on one x position. A unit reads a slab of
-``extent[0]`` x-planes, runs its windows in stacked batches (batched gather, batched Gram, every eigenvalue
-and the kept eigenvectors only (``lapack``), batched projection) and returns its contribution to that slab. The parent adds the contributions in unit
-order, so the result does not depend on how many processes ran the units: it is bit-identical for any
-``nprocs``.
+Work is cut into *units*: all active windows whose corner lies on one x position, taken by the workers in
+unit order. A unit runs its windows in stacked batches (batched gather, batched Gram, every eigenvalue and
+the kept eigenvectors only (``lapack``), projection onto those) into a private slab of the ``extent[0]``
+x-planes it touches, then adds the slab into the sums, which all processes share, plane by plane in each
+plane's turn (``PlaneTurns``): every plane takes its units' slabs in unit order, so the result does not
+depend on how many processes ran the units (it is bit-identical for any ``nprocs``) and nothing is left for
+the parent to add.
 
 Workers share the input volume through ``multiprocessing.shared_memory`` (one copy, whatever their
 number, in the (V, T) rows they gather patches from: a volume-major series is reordered into it in blocks,
 ``layout``) and each limits its BLAS to one thread: on matrices of 48 x 48, one thread per process is faster
-than a multithreaded BLAS fighting over the same cores.
+than a multithreaded BLAS fighting over the same cores. ``PROFILE`` times every phase (``PhaseClock``).
 """
 
 from __future__ import annotations
@@ -549,12 +551,13 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
 
 
 def profile_summary(reports, parent_seconds, started, wall, n_units) -> dict:
-    """``info["profile"]``: ``wall`` (the engine's seconds), ``parent`` (seconds per phase of the calling
-    process: setup, outputs (allocating the sums), shared copy (of the input), pool start, waiting (for the
-    workers), pool stop), ``workers`` (per process: its
-    ``units``, seconds per ``phases`` summed over them, ``busy`` (in units), ``cpu`` (its CPU seconds in units), ``span`` (its first unit's start to
-    its last unit's end), ``ready`` (seconds from the start to its pool's start-up done), ``threads`` and
-    ``threadpools`` (``process_threads``)), and ``units`` (index, pid, start and end in seconds from the start)."""
+    """``info["profile"]``: ``wall`` (the engine's seconds), ``n_units``, ``parent`` (seconds per phase of the
+    calling process: setup, outputs (allocating the sums), shared copy (of the input), pool start, waiting
+    (for the workers), pool stop), ``workers`` (per process: its ``units``, seconds per ``phases`` summed over
+    them, ``busy`` (in units), ``cpu`` (its CPU seconds in units), ``span`` (its first unit's start to its
+    last unit's end), ``ready`` (seconds from the start to its start-up done), ``threads``,
+    ``python_threads`` and ``threadpools`` (``process_threads``)), and ``units`` (index, pid, start and end
+    in seconds from the start)."""
     workers = {}
     for report in reports:
         worker = workers.setdefault(report["pid"], dict(

@@ -76,8 +76,8 @@ def voxel_rows(data: np.ndarray):
 def rows_of_planes(data: np.ndarray, planes: slice, out: np.ndarray, threads: int | None = None,
                    z_planes: slice | None = None):
     """x-planes ``planes`` of the 4D ``data`` (either order) into ``out``: their rows, (planes * Y * Z, T)
-    contiguous float32 (the voxel-major order), on threads (volume-major data in blocks). ``z_planes``: only the rows of those z-planes, on the calling thread (a part of a copy split by the
-    caller)."""
+    contiguous float32 (the voxel-major order), on threads (volume-major data in blocks). ``z_planes``: only
+    the rows of those z-planes, on the calling thread (a part of a copy split by the caller)."""
     selected = data[planes]
     out4 = out.reshape(selected.shape)
     if not is_volume_major(data):  # rows to rows: x-planes on threads
@@ -137,8 +137,9 @@ def planes_of_rows(rows: np.ndarray, out: np.ndarray, planes: slice = slice(None
 
 
 def _in_parts(work, n_planes: int, n_values: int, threads: int | None):
-    """``work(slice of planes)`` over ``n_planes`` planes (z-planes, or x-planes of voxel-major data), split among threads (NumPy's copies release
-    the GIL): at most ``COPY_THREADS``, the CPUs this process may use, and one per ``COPY_MIN_VALUES``."""
+    """``work(slice of planes)`` over ``n_planes`` planes (z-planes, or x-planes of voxel-major data), split
+    among threads (NumPy's copies release the GIL): at most ``COPY_THREADS``, the CPUs this process may use,
+    and one per ``COPY_MIN_VALUES``."""
     global _pool
     if threads is None:
         threads = min(COPY_THREADS, available_cpus(), max(1, n_values // COPY_MIN_VALUES))
