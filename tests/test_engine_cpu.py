@@ -234,6 +234,32 @@ def test_a_unit_adds_into_a_plane_only_after_the_units_before_it():
     assert list(turns.added) == [1, 1, 1, 1, 0, 0, 0]
 
 
+def test_a_unit_that_fails_fails_the_run_without_leaving_the_others_waiting(monkeypatch):
+    from mppca_nipype.engine import cpu
+
+    fit_windows = cpu.fit_windows
+
+    def failing(volume, finite, plan, options, windows, clock=cpu.NO_CLOCK):
+        if plan.window_corner[windows.start, 0] == 1:  # the second unit (x-plane 1), in whichever worker
+            raise FloatingPointError("unit 1 failed")
+        return fit_windows(volume, finite, plan, options, windows, clock)
+
+    monkeypatch.setattr(cpu, "fit_windows", failing)  # the forked workers inherit it
+    data, _, _ = case_data("time-side", seed=10)
+    outcome = []
+
+    def run():
+        try:
+            denoise(data, extent=3, stride=1, device="cpu", nprocs=2)
+        except FloatingPointError as err:
+            outcome.append(str(err))
+
+    running = threading.Thread(target=run, daemon=True)
+    running.start()
+    running.join(60)
+    assert not running.is_alive() and outcome == ["unit 1 failed"]
+
+
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_the_profile_reports_each_phase_and_the_workers_threads_when_asked(monkeypatch, nprocs):
     from mppca_nipype.engine import cpu

@@ -255,7 +255,6 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: 
     Else the unit's windows add into a slab of its ``extent[0]`` x-planes, in plan order, and the slab is
     added into the sums plane by plane in the planes' turns (``PlaneTurns``)."""
     step = batch_size(plan.patch_size, volume.shape[1])
-    n_volumes = volume.shape[1]
     clock.lap("setup")
     if options.aggregation == "center":
         for start in range(unit.start, unit.stop, step):
@@ -273,6 +272,21 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: 
             clock.lap("accumulation")
         return
 
+    pending = list(range(plan.extent[0]))  # the planes this unit has still to add into
+    try:
+        _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pending)
+    finally:
+        # after an error, pass the unit's remaining turns in order (adding nothing): the units after it must
+        # not wait for ever, and the run fails with the error
+        while pending:
+            ready = turns.ready(unit, pending)
+            turns.done(unit, ready)
+            pending[:] = [i for i in pending if i not in ready]
+
+
+def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pending):
+    """``run_unit``'s weighted and uniform aggregation; removes from ``pending`` each plane it has added into."""
+    n_volumes = volume.shape[1]
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
     slab_start = unit.x0 * plane
     slab_voxels = plan.extent[0] * plane
@@ -300,7 +314,6 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: 
         rank += np.bincount(flat, (voxel_weight * fit.rank[:, None]).ravel(), slab_voxels)
         clock.lap("accumulation")
 
-    pending = list(range(ex))
     while pending:
         ready = turns.ready(unit, pending)
         clock.lap("turn wait")
@@ -312,8 +325,8 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: 
             sums.sigma[into] += sigma[mine]
             sums.rank[into] += rank[mine]
         turns.done(unit, ready)
+        pending[:] = [i for i in pending if i not in ready]
         clock.lap("deposit")
-        pending = [i for i in pending if i not in ready]
 
 
 # -- worker processes ------------------------------------------------------------------------------------
