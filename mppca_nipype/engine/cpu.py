@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 import mmap
 import multiprocessing
@@ -166,10 +167,37 @@ class WindowFit:
         return restored
 
 
+@dataclass
+class WindowSpectra:
+    """The eigenvalues of a batch of windows and what the threshold made of them: ``forms`` (``lapack``, the
+    eigenvalues and what ``leading_eigenvectors`` continues from), ``rank`` and ``sigma2`` (B,), and the
+    centred ``patches``, ``means``, ``time_side``, ``voxels`` and ``took_part`` as in ``WindowFit``."""
+
+    patches: np.ndarray
+    means: np.ndarray | None
+    forms: lapack.TridiagonalForms
+    time_side: bool
+    rank: np.ndarray
+    sigma2: np.ndarray
+    voxels: np.ndarray
+    took_part: np.ndarray
+
+
 def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK) -> WindowFit:
     """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and run MP-PCA on
-    each: Gram matrix, all its eigenvalues, the threshold, then the kept eigenvectors (``lapack``). ``clock``
-    is charged with each step (``PhaseClock``)."""
+    each: Gram matrix, all its eigenvalues, the threshold (``window_spectra``), then the kept eigenvectors
+    (``lapack``). ``clock`` is charged with each step (``PhaseClock``)."""
+    spectra = window_spectra(volume, finite, plan, options, windows, clock)
+    eigenvectors = lapack.leading_eigenvectors(spectra.forms, spectra.rank)
+    clock.lap("eigenvectors")
+    return WindowFit(spectra.patches, spectra.means, eigenvectors, spectra.time_side, spectra.rank,
+                     spectra.sigma2, spectra.voxels, spectra.took_part)
+
+
+def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK) -> WindowSpectra:
+    """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and threshold
+    each: Gram matrix, all its eigenvalues (``lapack``), the Marchenko-Pastur rank and noise (or the given
+    noise's rank). No eigenvector is computed."""
     base = plan.window_base(windows)
     voxels = base[:, None] + plan.voxel_offsets[None, :]
     patches = volume[voxels].astype(np.float64)  # (B, n, T); left-out voxels are rows of zeros
@@ -204,9 +232,7 @@ def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK) -> Windo
     else:
         rank, sigma2 = marchenko_pastur_threshold(forms.eigenvalues, n_voxels, n_volumes, options.estimator)
     clock.lap("threshold")
-    eigenvectors = lapack.leading_eigenvectors(forms, rank)
-    clock.lap("eigenvectors")
-    return WindowFit(patches, means, eigenvectors, time_side, rank, sigma2, voxels, took_part)
+    return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part)
 
 
 def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
@@ -272,12 +298,19 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: 
             clock.lap("accumulation")
         return
 
-    pending = list(range(plan.extent[0]))  # the planes this unit has still to add into
-    try:
+    with slab_turns(unit, plan, turns) as pending:
         _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pending)
+
+
+@contextmanager
+def slab_turns(unit, plan, turns):
+    """Within: ``pending``, the unit's x-planes (offsets from ``x0``) it has still to add into (``deposit``
+    removes them). On the way out, after an error, the unit's remaining turns are passed in order (adding
+    nothing): the units after it must not wait for ever, and the run fails with the error."""
+    pending = list(range(plan.extent[0]))
+    try:
+        yield pending
     finally:
-        # after an error, pass the unit's remaining turns in order (adding nothing): the units after it must
-        # not wait for ever, and the run fails with the error
         while pending:
             ready = turns.ready(unit, pending)
             turns.done(unit, ready)
@@ -314,16 +347,24 @@ def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pen
         rank += np.bincount(flat, (voxel_weight * fit.rank[:, None]).ravel(), slab_voxels)
         clock.lap("accumulation")
 
+    deposit(unit, plan, sums, (image, weight, sigma, rank), turns, clock, pending)
+
+
+def deposit(unit, plan, sums, slab, turns, clock, pending):
+    """Add a unit's ``slab`` sums ((image, weight, sigma, rank) over its ``extent[0]`` x-planes; image None for
+    the noise map alone) into ``sums``, plane by plane in the planes' turns; removes each plane from ``pending``
+    once added."""
+    plane = plan.spatial_shape[1] * plan.spatial_shape[2]
+    slab_start = unit.x0 * plane
     while pending:
         ready = turns.ready(unit, pending)
         clock.lap("turn wait")
         for i in ready:
             into = slice(slab_start + i * plane, slab_start + (i + 1) * plane)
             mine = slice(i * plane, (i + 1) * plane)
-            sums.image[into] += image[mine]
-            sums.weight[into] += weight[mine]
-            sums.sigma[into] += sigma[mine]
-            sums.rank[into] += rank[mine]
+            for total, part in zip((sums.image, sums.weight, sums.sigma, sums.rank), slab):
+                if part is not None:
+                    total[into] += part[mine]
         turns.done(unit, ready)
         pending[:] = [i for i in pending if i not in ready]
         clock.lap("deposit")
@@ -363,7 +404,7 @@ def _one_thread():
     return threadpool_limits(limits=1).restore_original_limits
 
 
-def _attach(volume_name, volume_shape, finite_name, plan, options, outputs, turns, profile):
+def _attach(work, volume_name, volume_shape, finite_name, plan, options, outputs, turns, profile):
     """Worker initializer: map the shared input and the shared sums, limit BLAS to one thread. Ctrl-C is the
     parent's to handle: workers ignore SIGINT, so an interrupt prints one message, not a traceback per worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -372,8 +413,8 @@ def _attach(volume_name, volume_shape, finite_name, plan, options, outputs, turn
     _WORKER.update(
         volume=np.ndarray(volume_shape, dtype=np.float32, buffer=volume_shm.buf),
         finite=np.ndarray(volume_shape[:1], dtype=bool, buffer=finite_shm.buf),
-        plan=plan, options=options, handles=(volume_shm, finite_shm), profile=profile,
-        sums=PatchSums(*(_shared_view(*output) for output in outputs)),
+        plan=plan, options=options, handles=(volume_shm, finite_shm), profile=profile, work=work,
+        sums=PatchSums(*(None if output is None else _shared_view(*output) for output in outputs)),
         turns=PlaneTurns(_shared_view(*turns[0]), turns[1]),
     )
     _one_thread()
@@ -387,9 +428,9 @@ def _run_unit_in_worker(numbered):
     w = _WORKER
     args = (w["volume"], w["finite"], w["plan"], w["options"], unit, w["sums"], w["turns"])
     if not w["profile"]:
-        run_unit(*args)
+        w["work"](*args)
         return None
-    _, report = timed_unit(run_unit, index, *args)
+    _, report = timed_unit(w["work"], index, *args)
     return dict(report, ready=w["ready"], process=w["process"])
 
 
@@ -491,6 +532,16 @@ def _tests_main_name(test) -> bool:
 def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     """Run the plan on the CPU and return the per-voxel sums (``engine.PatchSums``). With ``PROFILE`` set,
     ``info["profile"]`` says where the time went (``profile_summary``)."""
+    sums = run_units(run_unit, data, finite, plan, options, nprocs=nprocs, progress=progress)
+    sums.info["eigensolver"] = "LAPACK dsytrd/dsterf/dstein"
+    return sums
+
+
+def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, image=True) -> PatchSums:
+    """Run ``work(volume, finite_flat, plan, options, unit, sums, turns, clock)`` (a module-level function:
+    ``run_unit``, or the noise map's ``noise.noise_unit``) for every unit of the plan, in this process or in
+    worker processes that share the input and the sums, and return the sums (``image`` False: no image, None).
+    Each unit adds into the sums itself, plane by plane in unit order (``PlaneTurns``)."""
     started = time.perf_counter()
     profile = PROFILE
     clock = PhaseClock() if profile else NO_CLOCK
@@ -502,13 +553,13 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     context = _process_context(nprocs)
     if context is None:
         nprocs = 1
-    output_shapes = [((n_voxels, n_volumes), np.float32)] + [((n_voxels,), np.float64)] * 3
+    output_shapes = [((n_voxels, n_volumes), np.float32) if image else None] + [((n_voxels,), np.float64)] * 3
     reports = []
     clock.lap("setup")
 
     if nprocs == 1:
         volume = _voxel_major(data, np.empty)
-        sums = PatchSums(*(np.zeros(shape, dtype) for shape, dtype in output_shapes))
+        sums = PatchSums(*(None if shape is None else np.zeros(*shape) for shape in output_shapes))
         turns = PlaneTurns(np.zeros(plan.spatial_shape[0], dtype=np.int64), threading.Condition())
         undo = _one_thread()
         process = process_threads() if profile else None
@@ -517,19 +568,19 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
             for done, unit in enumerate(units, 1):
                 args = (volume, finite_flat, plan, options, unit, sums, turns)
                 if profile:
-                    _, report = timed_unit(run_unit, done - 1, *args)
+                    _, report = timed_unit(work, done - 1, *args)
                     reports.append(dict(report, ready=started, process=process))
                     clock.last = report["stop"]
                 else:
-                    run_unit(*args)
+                    work(*args)
                 if progress:
                     progress(done, len(units))
         finally:
             undo()
     else:
-        outputs = [_shared_zeros(shape, dtype, context) for shape, dtype in output_shapes]
+        outputs = [None if shape is None else _shared_zeros(*shape, context) for shape in output_shapes]
         added = _shared_zeros((plan.spatial_shape[0],), np.int64, context)
-        sums = PatchSums(*(_shared_view(*output) for output in outputs))
+        sums = PatchSums(*(None if output is None else _shared_view(*output) for output in outputs))
         clock.lap("outputs")
         volume_shm, finite_shm = None, _shared_copy(finite_flat)
         try:
@@ -537,9 +588,9 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
             _voxel_major(data, lambda shape, dtype: np.ndarray(shape, dtype, buffer=volume_shm.buf))
             clock.lap("shared copy")
             with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
-                                     initargs=(volume_shm.name, (n_voxels, n_volumes), finite_shm.name,
-                                               plan, options, outputs, (added, context.Condition()),
-                                               profile)) as pool:
+                                     initargs=(work, volume_shm.name, (n_voxels, n_volumes),
+                                               finite_shm.name, plan, options, outputs,
+                                               (added, context.Condition()), profile)) as pool:
                 finished = pool.map(_run_unit_in_worker, enumerate(units))
                 clock.lap("pool start")
                 for done, report in enumerate(finished, 1):
@@ -556,8 +607,7 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
             clock.lap("pool stop")
 
     seconds = time.perf_counter() - started
-    sums.info = dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver="LAPACK dsytrd/dsterf/dstein",
-                     seconds_engine=seconds)
+    sums.info = dict(backend="cpu", device="cpu", nprocs=nprocs, seconds_engine=seconds)
     if profile:
         sums.info["profile"] = profile_summary(reports, clock.seconds, started, seconds, len(units))
     return sums

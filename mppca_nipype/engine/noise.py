@@ -9,31 +9,29 @@ bit-identical to ``denoise``'s.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from .backend import PatchSums, available_cpus
-from .cpu import _process_context, batch_size, run_units, window_spectra, work_units
+from .backend import PatchSums
+from .cpu import NO_CLOCK, batch_size, deposit, run_units, slab_turns, window_spectra
 from .estimators import aggregation_weights
 
 
-def noise_unit(volume, finite, plan, options, unit):
-    """The noise and rank sums of one unit's windows: ``(centre voxels, sigma, rank)`` for ``center``, else
-    ``(slab start, weight, sigma, rank)`` over the unit's slab of ``extent[0]`` x-planes."""
+def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK):
+    """The noise and rank of one unit's windows, into ``sums`` (``cpu.run_unit``'s way, with no image): for
+    ``center`` each centre voxel's own window's; else the windows' weighted sums over the unit's slab of
+    ``extent[0]`` x-planes, added plane by plane in the planes' turns."""
     step = batch_size(plan.patch_size, volume.shape[1])
     if options.aggregation == "center":
-        first, last = np.searchsorted(plan.centre_window, [unit.start, unit.stop])
-        sigma = np.empty(last - first)
-        rank = np.empty(last - first)
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
             a, b = np.searchsorted(plan.centre_window, [start, stop])
-            spectra = window_spectra(volume, finite, plan, options, slice(start, stop))
+            spectra = window_spectra(volume, finite, plan, options, slice(start, stop), clock)
             window = plan.centre_window[a:b] - start
-            sigma[a - first:b - first] = np.sqrt(spectra.sigma2[window])
-            rank[a - first:b - first] = spectra.rank[window]
-        return plan.centre_voxel[first:last], sigma, rank
+            voxel = plan.centre_voxel[a:b]
+            sums.weight[voxel] = 1.0
+            sums.sigma[voxel] = np.sqrt(spectra.sigma2[window])
+            sums.rank[voxel] = spectra.rank[window]
+        return
 
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
     slab_start = unit.x0 * plane
@@ -41,47 +39,22 @@ def noise_unit(volume, finite, plan, options, unit):
     weight = np.zeros(slab_voxels)
     sigma = np.zeros(slab_voxels)
     rank = np.zeros(slab_voxels)
-    for start in range(unit.start, unit.stop, step):
-        stop = min(start + step, unit.stop)
-        spectra = window_spectra(volume, finite, plan, options, slice(start, stop))
-        w = aggregation_weights(spectra.rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
-        voxel_weight = w[:, None] * spectra.took_part  # (B, n): left-out voxels receive nothing
-        flat = (spectra.voxels - slab_start).ravel()
-        weight += np.bincount(flat, voxel_weight.ravel(), slab_voxels)
-        sigma += np.bincount(flat, (voxel_weight * np.sqrt(spectra.sigma2)[:, None]).ravel(), slab_voxels)
-        rank += np.bincount(flat, (voxel_weight * spectra.rank[:, None]).ravel(), slab_voxels)
-    return slab_start, weight, sigma, rank
+    with slab_turns(unit, plan, turns) as pending:
+        for start in range(unit.start, unit.stop, step):
+            stop = min(start + step, unit.stop)
+            spectra = window_spectra(volume, finite, plan, options, slice(start, stop), clock)
+            w = (aggregation_weights(spectra.rank, options.demeaned, options.aggregation)
+                 * plan.multiplicity[start:stop])
+            voxel_weight = w[:, None] * spectra.took_part  # (B, n): left-out voxels receive nothing
+            flat = (spectra.voxels - slab_start).ravel()
+            weight += np.bincount(flat, voxel_weight.ravel(), slab_voxels)
+            sigma += np.bincount(flat, (voxel_weight * np.sqrt(spectra.sigma2)[:, None]).ravel(), slab_voxels)
+            rank += np.bincount(flat, (voxel_weight * spectra.rank[:, None]).ravel(), slab_voxels)
+        deposit(unit, plan, sums, (None, weight, sigma, rank), turns, clock, pending)
 
 
 def noise_cpu(data, finite, plan, options, *, nprocs=None, progress=None) -> PatchSums:
     """Run the plan's windows for their noise and rank only; the per-voxel sums (``image`` is None)."""
-    started = time.perf_counter()
-    n_voxels = int(np.prod(data.shape[:3]))
-    finite_flat = finite.reshape(n_voxels)
-    units = work_units(plan)
-    nprocs = min(nprocs or available_cpus(), max(len(units), 1))
-    context = _process_context(nprocs)
-    if context is None:
-        nprocs = 1
-    weight = np.zeros(n_voxels)
-    sigma = np.zeros(n_voxels)
-    rank = np.zeros(n_voxels)
-
-    def add(result):
-        if options.aggregation == "center":
-            voxel, s, r = result
-            weight[voxel] = 1.0
-            sigma[voxel] = s
-            rank[voxel] = r
-        else:
-            start, slab_weight, slab_sigma, slab_rank = result
-            stop = start + len(slab_weight)
-            weight[start:stop] += slab_weight
-            sigma[start:stop] += slab_sigma
-            rank[start:stop] += slab_rank
-
-    run_units(noise_unit, data, finite_flat, plan, options, units, nprocs=nprocs, context=context, add=add,
-              progress=progress)
-    return PatchSums(None, weight, sigma, rank,
-                     info=dict(backend="cpu", device="cpu", nprocs=nprocs, eigensolver="LAPACK dsytrd/dsterf",
-                               seconds_engine=time.perf_counter() - started))
+    sums = run_units(noise_unit, data, finite, plan, options, nprocs=nprocs, progress=progress, image=False)
+    sums.info["eigensolver"] = "LAPACK dsytrd/dsterf"
+    return sums
