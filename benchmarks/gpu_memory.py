@@ -82,23 +82,27 @@ def unlimited_speed(package, baseline, blocks):
 
 def measure(budgets, repeats, baseline, blocks):
     package = load_package()
-    result = budget_runs(package, [float(b) for b in budgets.split(",")], repeats)
+    result = budget_runs(package, [float(b) for b in budgets.split(",")], repeats) if budgets else {}
     if baseline:
         result["unlimited"] = unlimited_speed(package, load_package(baseline), blocks)
     return result
 
 
 def markdown(result):
-    lines = [f"{result['series']}, the defaults, best of {result['repeats']}:", "",
-             "| budget | seconds | peak allocated GiB | peak reserved GiB | slabs (x-planes) | batch | "
-             "rel. rms to the first row | rank map equal |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for row in result["rows"]:
+    lines = []
+    if "rows" in result:
+        lines += [f"{result['series']}, the defaults, best of {result['repeats']}:", "",
+                  "| budget | seconds | peak allocated GiB | peak reserved GiB | slabs (x-planes) | batch | "
+                  "rel. rms to the first row | rank map equal |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in result.get("rows", ()):
         budget = f"{row['budget_gib']:g} GiB" if row["budget_gib"] else "none"
         lines.append(f"| {budget} | {row['seconds']:.2f} | {row['peak_allocated_gib']:.2f} | "
                      f"{row['peak_reserved_gib']:.2f} | {row['n_slabs']} ({row['slab_planes']}) | {row['batch']} | "
                      f"{row['relative_rms_to_first']:.1e} | {row['rank_equal_to_first']:.4f} |")
     if "unlimited" in result:
-        lines += ["", "| unlimited run | this ms (blocks) | baseline ms (blocks) | ratio of the best | rel. rms |",
+        lines += ["" if lines else "Unlimited runs beside the baseline, interleaved blocks:", "",
+                  "| unlimited run | this ms (blocks) | baseline ms (blocks) | ratio of the best | rel. rms |",
                   "| --- | --- | --- | ---: | ---: |"]
         for row in result["unlimited"]:
             lines.append(f"| {row['problem']} | {', '.join(f'{x:.1f}' for x in row['this_ms'])} | "
@@ -109,7 +113,8 @@ def markdown(result):
 
 def main():
     run_benchmark(__doc__, "gpu_memory", measure, markdown,
-                  ("--budgets", dict(default="0,16,8,4", help="GiB, comma-separated; 0: none")),
+                  ("--budgets", dict(default="0,16,8,4", help="GiB, comma-separated; 0: none; '': no HCP-size "
+                                                              "runs")),
                   ("--repeats", dict(type=int, default=2)), BASELINE, ("--blocks", dict(type=int, default=3)))
 
 

@@ -1128,9 +1128,9 @@ def test_a_slab_that_runs_out_of_memory_is_redone_thinner(kernels, monkeypatch):
 
 def _fake_device(monkeypatch, free, total=None, allocated=0, fraction=1.0):
     """torch.cuda's memory queries as a device with ``free`` bytes free would answer them."""
+    stats = {"allocated_bytes": {"all": {"current": allocated}}, "reserved_bytes": {"all": {"current": allocated}}}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total or 10 * free))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: allocated)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
 
 

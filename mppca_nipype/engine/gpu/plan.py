@@ -153,22 +153,26 @@ class DeviceMemory:
         self.slab = 0  # bytes of the planned slab (what the CPU counts as taken)
         if self.on_gpu:
             free, self.total = torch.cuda.mem_get_info(device)
-            self.available = int(min(free + torch.cuda.memory_reserved(device),
-                                     torch.cuda.get_per_process_memory_fraction(device) * self.total))
+            fraction = torch.cuda.get_per_process_memory_fraction(device)
+            self.held, reserved = torch_holds(device)  # (held before the run: kept graphs, tables)
+            self.available = int(min(free + reserved, fraction * self.total))
             self.budget = self.available if asked is None else min(asked.bytes_of(self.total), self.available)
-            self.held = torch.cuda.memory_allocated(device)  # before the run: kept graphs, tables
+            # neither a budget asked for nor a per-process fraction: the device's free memory is the bound
+            self.limited = asked is not None or fraction < 1
         else:
             self.total = self.available = None
             self.budget = None if asked is None else asked.bytes_of(64 * GIB)  # (a share of a nominal device)
-            self.held = 0
+            self.held, self.limited = 0, asked is not None
 
     def free(self) -> float:
         """Bytes the run may still allocate now."""
         if not self.on_gpu:
             return math.inf if self.budget is None else self.budget - self.slab
         free, _ = torch.cuda.mem_get_info(self.device)
-        allocated = torch.cuda.memory_allocated(self.device)
-        return min(free + torch.cuda.memory_reserved(self.device) - allocated, self.budget - allocated)
+        if not self.limited:  # (one driver call: torch's statistics cost ~0.1 ms a query in Python)
+            return free
+        allocated, reserved = torch_holds(self.device)
+        return min(free + reserved - allocated, self.budget - allocated)
 
     @contextmanager
     def enforced(self):
@@ -187,6 +191,13 @@ class DeviceMemory:
         """The budget for ``info``: bytes, and what was asked for."""
         return dict(gpu_memory_budget=None if self.budget is None else int(self.budget),
                     gpu_memory_asked=None if self.asked is None else str(self.asked))
+
+
+def torch_holds(device) -> tuple[int, int]:
+    """(allocated, reserved) bytes of torch's allocator on ``device``, from one query of its statistics
+    (``torch.cuda.memory_allocated`` and ``memory_reserved`` each flatten all of them into a dict in Python)."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
 
 
 def batch_size(memory, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None, refine=False) -> int:
