@@ -1,13 +1,15 @@
 """mppca-nipype: fast Marchenko-Pastur PCA denoising of diffusion and functional MRI.
 
-Python users call :func:`denoise` on arrays (and :func:`estimate_noise` for the noise map alone); Nipype users
-add :class:`mppca_nipype.interfaces.MPPCADenoise` to a workflow; the command line has ``mppca-denoise`` (one
+Python users call :func:`denoise` on arrays (:func:`denoise_complex` on a magnitude and its phase, and
+:func:`estimate_noise` for the noise map alone); Nipype users add :class:`mppca_nipype.interfaces.MPPCADenoise`
+to a workflow; the command line has ``mppca-denoise`` (one
 file), ``mppca-noise`` (its noise map alone) and ``mppca-nipype`` (a BIDS app).
 """
 
 from .engine import DenoiseResult, MPPCAInputError, MPPCAWarning, NoiseResult, denoise, estimate_noise
+from .engine.complex_data import ComplexDenoiseResult, denoise_complex
 
-__all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "MPPCAInputError", "MPPCAWarning",
+__all__ = ["denoise", "DenoiseResult", "denoise_complex", "ComplexDenoiseResult", "estimate_noise", "NoiseResult", "MPPCAInputError", "MPPCAWarning",
            "__version__"]
 
 

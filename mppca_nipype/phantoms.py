@@ -3,7 +3,8 @@
 ``low_rank_phantom`` is a rank-P signal on a baseline near 1000 plus Gaussian noise (the benchmarks'
 ``lowrank`` phantom); ``dwi_phantom`` is a head-shaped diffusion-weighted series from a three-compartment
 tensor model, with b-values and gradient directions, so that its signal is low rank only approximately, as
-real data are.
+real data are. ``complex_dwi_phantom`` is that series as a complex image on a smooth background phase that
+changes from volume to volume, returned as magnitude and phase.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def _smooth_fields(rng, shape, count, waves=3):
-    """``count`` smooth random fields on ``shape``, each a sum of a few low-frequency cosines, in [-1, 1]."""
+def _smooth_fields(rng, shape, count, waves=3, frequencies=(0.5, 2.5)):
+    """``count`` smooth random fields on ``shape``, each a sum of a few cosines of ``frequencies`` (cycles
+    across the image, per axis), in [-1, 1]."""
     axes = np.meshgrid(*(np.linspace(0, 1, s) for s in shape), indexing="ij")
     fields = np.zeros((count, *shape))
     for k in range(count):
         for _ in range(waves):
-            freq = rng.uniform(0.5, 2.5, size=3)
+            freq = rng.uniform(*frequencies, size=3)
             phase = rng.uniform(0, 2 * np.pi)
             fields[k] += np.cos(2 * np.pi * sum(f * a for f, a in zip(freq, axes)) + phase)
         fields[k] /= np.abs(fields[k]).max()
@@ -92,3 +94,35 @@ def dwi_phantom(shape=(64, 64, 40), n_volumes=48, sigma=20.0, bvalue=1000.0, see
     else:
         noisy = truth + sigma * rng.standard_normal(truth.shape)
     return noisy.astype(np.float32), truth.astype(np.float32), bvals, bvecs
+
+
+#: The background phase's spatial frequencies, in cycles across the image per axis: at most one cycle, so that
+#: on a 32-voxel phantom it changes by at most about 0.9 rad from voxel to voxel.
+PHASE_FREQUENCIES = (0.25, 1.0)
+
+
+def background_phase_field(shape, n_volumes, *, amplitude=np.pi, drift=0.5 * np.pi, seed=0):
+    """A smooth background phase in radians, (*shape, n_volumes): one slowly varying field of peak ``amplitude``
+    shared by every volume (coil sensitivities, B0) plus, per volume, a field of peak ``drift`` (the phase that
+    motion during diffusion encoding adds to each volume), each a sum of two cosines of PHASE_FREQUENCIES
+    (``_smooth_fields``)."""
+    rng = np.random.default_rng(seed + 1)
+    shared = amplitude * _smooth_fields(rng, shape, 1, waves=2, frequencies=PHASE_FREQUENCIES)[0]
+    per_volume = drift * _smooth_fields(rng, shape, n_volumes, waves=2, frequencies=PHASE_FREQUENCIES)
+    return (shared[..., None] + np.moveaxis(per_volume, 0, -1)).astype(np.float32)
+
+
+def complex_dwi_phantom(shape=(64, 64, 40), n_volumes=48, sigma=20.0, bvalue=1000.0, seed=0):
+    """``dwi_phantom``'s signal as a complex image: truth e^{i phi} plus complex Gaussian noise of std ``sigma``
+    in each of the real and imaginary parts, phi a smooth background phase (``background_phase_field``).
+
+    Returns ``(magnitude, phase, truth, phi, bvals, bvecs)``: the noisy image's modulus and its phase in radians
+    in [-pi, pi), the noise-free magnitude and the background phase, float32 of shape ``(*shape, n_volumes)``.
+    The magnitude alone is the Rician series ``dwi_phantom(..., rician=True)`` models.
+    """
+    _, truth, bvals, bvecs = dwi_phantom(shape, n_volumes, sigma=0.0, bvalue=bvalue, seed=seed)
+    phi = background_phase_field(shape, n_volumes, seed=seed)
+    rng = np.random.default_rng(seed + 2)
+    noise = rng.standard_normal((2, *truth.shape))
+    image = truth * np.exp(1j * phi) + sigma * (noise[0] + 1j * noise[1])
+    return (np.abs(image).astype(np.float32), np.angle(image).astype(np.float32), truth, phi, bvals, bvecs)

@@ -1,0 +1,211 @@
+"""Complex data: MP-PCA of the phase-demodulated real part, with no magnitude noise floor.
+
+A complex image S = A e^{i (phi + theta)} + n, n complex Gaussian noise of standard deviation sigma per real
+channel, carries its signal A on a background phase phi that varies smoothly in space and from volume to volume
+(coil sensitivities, B0, motion during diffusion encoding). Its magnitude |S| has a Rician floor; but once the
+background phase is known, the demodulated image S e^{-i phi} has its signal in the real part,
+R = Re(S e^{-i phi}) = A + n_R, with Gaussian noise of sigma and no floor, and only noise in the imaginary part,
+I = Im(S e^{-i phi}) = n_I. MP-PCA of R then removes the noise without the floor's bias (the idea of
+DESIGNER-v2's ``-phase``; Lemberskiy et al. 2021 use the same demodulation).
+
+``background_phase`` estimates phi per slice and volume from the complex image itself: a 2D Hann low-pass in
+k-space over the central ``width`` of each in-plane axis, phi = angle of the filtered image (the method of
+Eichner et al. 2015 for real-valued diffusion MRI). ``denoise_complex`` runs the whole pipeline around
+``denoise``, on either engine (R is real: nothing else is engine-specific).
+
+References: Eichner C, Cauley SF, Cohen-Adad J, et al. Real diffusion-weighted MRI enabling true signal averaging
+and increased diffusion contrast. NeuroImage 122:373-384 (2015). doi:10.1016/j.neuroimage.2015.07.074.
+Lemberskiy G, Baete S, Veraart J, Shepherd TM, Fieremans E, Novikov DS. Achieving sub-mm clinical diffusion MRI
+resolution by removing noise during reconstruction using random matrix theory. ISMRM 2019:770.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import math
+import time
+
+import numpy as np
+
+from .errors import MPPCAInputError
+
+#: The methods that estimate the background phase (``background_phase``).
+PHASE_METHODS = ("hann",)
+
+#: The default width of the Hann window: the central fraction of k-space it keeps along each in-plane axis
+#: (chosen by measurement: docs/benchmarks.md, "Complex data").
+PHASE_WIDTH = 0.375
+
+#: Passes of the Hann filter (``background_phase``): the second and later filter the residual phase (chosen by
+#: measurement: docs/benchmarks.md, "Complex data").
+PHASE_PASSES = 2
+
+#: The value ranges of phase images in the scanners' integer units and how each maps to radians: Siemens
+#: stores [-4096, 4095] (a 12-bit value with slope 2 and intercept -4096) or [0, 4095] unscaled.
+SCANNER_UNITS = {"[-4096, 4095]": (-4096.0, 4095.0, math.pi / 4096, 0.0),
+                 "[0, 4095]": (0.0, 4095.0, 2 * math.pi / 4096, -math.pi)}
+
+#: How far beyond [-pi, 2 pi] a phase in radians may reach (rounding of a float32 file).
+RADIANS_SLACK = 1e-3
+
+#: How the denoised magnitude is taken from the denoised real part R_hat: its absolute value or R_hat clipped
+#: at 0 (docs/benchmarks.md, "Complex data").
+MAGNITUDES = ("clip", "abs")
+
+
+@dataclass
+class ComplexDenoiseResult:
+    """What ``denoise_complex`` returns.
+
+    Attributes
+    ----------
+    denoised : (X, Y, Z, T) float32 array
+        The denoised magnitude (``magnitude`` option: max(R_hat, 0) or |R_hat|).
+    phase : (X, Y, Z, T) float32 array
+        The phase of the denoised complex image R_hat e^{i phi}, in radians in [-pi, pi): phi where R_hat >= 0,
+        phi + pi where it is negative.
+    sigma : (X, Y, Z) float32 array
+        The noise level of the real channel (MP-PCA's estimate on R, or the given one).
+    rank : (X, Y, Z) float32 array
+        The number of signal components kept in R.
+    info : dict
+        ``denoise``'s info, with ``phase_method``, ``phase_width``, ``phase_units``, ``magnitude``,
+        ``imaginary_sd_ratio`` (the median over the denoised voxels of the rms of I over time, divided by
+        sigma: about 1 where phi is right) and ``seconds`` by step.
+    """
+
+    denoised: np.ndarray
+    phase: np.ndarray
+    sigma: np.ndarray
+    rank: np.ndarray
+    info: dict
+
+
+def phase_in_radians(phase, shape=None):
+    """(phase in radians as float32, the units found): "radians", or a scanner's integer range of
+    ``SCANNER_UNITS`` rescaled to [-pi, pi).
+
+    A phase whose values all lie in [-pi, 2 pi] is taken as radians; otherwise whole numbers within one of the
+    scanner ranges are. MPPCAInputError, one sentence, for a shape other than ``shape``, a non-finite value, or
+    values in neither.
+    """
+    phase = np.asarray(phase)
+    if shape is not None and phase.shape != tuple(shape):
+        raise MPPCAInputError(f"the phase's shape {phase.shape} does not match the magnitude's {tuple(shape)}")
+    if not (np.issubdtype(phase.dtype, np.floating) or np.issubdtype(phase.dtype, np.integer)):
+        raise MPPCAInputError(f"the phase must hold real numbers, not {phase.dtype}")
+    finite = np.isfinite(phase)
+    if not finite.all():
+        first = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise MPPCAInputError(f"the phase holds {int((~finite).sum())} values that are NaN or Inf, the first at "
+                              f"{first}")
+    low, high = float(phase.min()), float(phase.max())
+    if low >= -math.pi - RADIANS_SLACK and high <= 2 * math.pi + RADIANS_SLACK:
+        return phase.astype(np.float32, copy=False), "radians"
+    whole = np.array_equal(phase, np.round(phase))
+    for units, (first, last, scale, offset) in SCANNER_UNITS.items():
+        if whole and low >= first and high <= last:
+            return (phase * np.float32(scale) + np.float32(offset)).astype(np.float32), units
+    raise MPPCAInputError(f"the phase's values lie in [{low:.6g}, {high:.6g}]: neither radians ([-pi, pi] or "
+                          f"[0, 2 pi]) nor a scanner's whole-number units ({' or '.join(SCANNER_UNITS)})")
+
+
+def hann_window(size: int, width: float):
+    """The 1D Hann window over the central ``width`` of ``size`` k-space samples, in FFT order (1 at k = 0)."""
+    k = np.fft.fftfreq(size)  # cycles per sample, in [-0.5, 0.5)
+    half = max(width / 2, 1.0 / size)  # at least the neighbours of k = 0
+    return np.where(np.abs(k) < half, 0.5 + 0.5 * np.cos(np.pi * k / half), 0.0)
+
+
+def background_phase(image, *, method="hann", width=PHASE_WIDTH, passes=PHASE_PASSES):
+    """The smooth background phase of a complex series (X, Y, Z, T), per slice (z) and volume, in radians.
+
+    ``hann``: each in-plane image multiplied in k-space by a separable 2D Hann window that keeps the central
+    ``width`` of each axis (its response falls to 0 at |k| = width / 2 cycles per voxel), phi = angle of the
+    filtered image. Each further pass filters the image demodulated by the phase so far and adds the angle of
+    what is left: the residual phase is small and nearly flat, so the filter's averaging over a region where
+    the magnitude changes (an edge of the head) no longer pulls it towards the bright side. Returns float32 of
+    the same shape, wrapped to [-pi, pi).
+    """
+    if method not in PHASE_METHODS:
+        raise MPPCAInputError(f"phase_method must be one of {', '.join(PHASE_METHODS)}, not {method!r}")
+    if isinstance(width, bool) or not (isinstance(width, (float, int, np.floating)) and 0 < width <= 1):
+        raise MPPCAInputError(f"phase_width must be a number in (0, 1], not {width!r}")
+    from scipy import fft
+
+    window = (hann_window(image.shape[0], width)[:, None] * hann_window(image.shape[1], width)[None, :])
+    phase = np.zeros(image.shape, np.float32)
+    for t in range(image.shape[3]):  # a volume at a time bounds the complex temporaries
+        volume = image[..., t]
+        for _ in range(passes):
+            spectrum = fft.fft2(volume * np.exp(-1j * phase[..., t]), axes=(0, 1), workers=-1)
+            spectrum *= window[:, :, None]
+            phase[..., t] += np.angle(fft.ifft2(spectrum, axes=(0, 1), workers=-1)).astype(np.float32)
+    return (np.mod(phase + np.pi, 2 * np.pi) - np.pi).astype(np.float32)
+
+
+def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_width=PHASE_WIDTH,
+                    phase_passes=PHASE_PASSES, magnitude_out="clip", extent=None, stride=None, estimator=None, aggregation=None, demean=None,
+                    noise=None, device="auto", nprocs=None, gpu_memory=None, progress=None):
+    """MP-PCA of complex data: the background phase removed, the real part denoised, the phase put back.
+
+    1. S = magnitude e^{i phase} (``phase`` in radians or a scanner's units: ``phase_in_radians``).
+    2. phi = ``background_phase``(S) per slice and volume.
+    3. R = Re(S e^{-i phi}), I = Im(S e^{-i phi}); R has Gaussian noise and no floor, I is noise alone.
+    4. R_hat = ``denoise``(R) with the denoising options, ``noise`` (the real channel's sigma, when known),
+       ``device``, ``nprocs``, ``gpu_memory`` and ``progress`` as ``denoise`` takes them (None: its defaults).
+    5. The magnitude max(R_hat, 0) (``magnitude_out="clip"``) or |R_hat| (``"abs"``); the phase of
+       R_hat e^{i phi}.
+
+    Returns a ``ComplexDenoiseResult``.
+    """
+    from . import DEFAULTS, check_data, denoise
+
+    options = {name: DEFAULTS[name] if value is None else value
+               for name, value in dict(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
+                                       demean=demean).items()}
+
+    seconds, last = {}, time.perf_counter()
+
+    def lap(step):
+        nonlocal last
+        now = time.perf_counter()
+        seconds[step], last = round(now - last, 4), now
+
+    if magnitude_out not in MAGNITUDES:
+        raise MPPCAInputError(f"magnitude_out must be one of {', '.join(MAGNITUDES)}, not {magnitude_out!r}")
+    magnitude, mask = check_data(magnitude, mask)
+    radians, units = phase_in_radians(phase, magnitude.shape)
+    with np.errstate(invalid="ignore"):
+        negative = int(np.count_nonzero(magnitude[mask] < 0))
+    if negative:
+        raise MPPCAInputError(f"the magnitude has {negative} negative values; with a phase it must be the "
+                              "modulus of the complex image")
+    finite = np.isfinite(magnitude)
+    image = np.where(finite, magnitude, 0).astype(np.complex64) * np.exp(1j * radians).astype(np.complex64)
+    background = background_phase(image, method=phase_method, width=phase_width, passes=phase_passes)
+    image *= np.exp(-1j * background).astype(np.complex64)
+    real = np.where(finite, image.real, magnitude)  # NaN/Inf stay where the engine expects them
+    imaginary = image.imag
+    del image
+    lap("demodulation")
+    result = denoise(real, mask, **options, noise=noise, device=device, nprocs=nprocs, gpu_memory=gpu_memory,
+                     progress=progress)
+    del real
+    lap("denoise")
+    denoised = result.denoised
+    served = mask & np.isfinite(denoised).all(axis=3) & (result.sigma > 0)
+    ratio = None
+    if served.any():
+        rms = np.sqrt(np.mean(np.square(imaginary[served], dtype=np.float64), axis=1))
+        ratio = float(np.median(rms / result.sigma[served]))
+    del imaginary
+    out_phase = np.where(denoised >= 0, background, background + np.float32(math.pi))
+    out_phase = (np.mod(out_phase + math.pi, 2 * math.pi) - math.pi).astype(np.float32)
+    out_phase[~mask] = 0
+    magnitude_denoised = np.abs(denoised) if magnitude_out == "abs" else np.maximum(denoised, 0)
+    lap("remodulation")
+    info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width), phase_units=units,
+                magnitude=magnitude_out, imaginary_sd_ratio=ratio, seconds=dict(result.info["seconds"], **seconds))
+    return ComplexDenoiseResult(magnitude_denoised.astype(np.float32, copy=False), out_phase, result.sigma,
+                                result.rank, info)
