@@ -1,7 +1,8 @@
 """Nipype interfaces: MP-PCA denoising as a node in any workflow.
 
 ``MPPCADenoise`` reads a 4D NIfTI series (and an optional mask), calls :func:`mppca_nipype.denoise` and writes
-the denoised series, the noise and rank maps and a provenance JSON into the node's directory. It holds no
+the denoised series, the noise and rank maps and a provenance JSON into the node's directory; given the series'
+phase (``phase_file``), it calls :func:`mppca_nipype.denoise_complex` and writes the denoised phase too. It holds no
 algorithm: the engine does the work, :mod:`mppca_nipype.io` the reading and writing, and
 :func:`mppca_nipype.bids.collect_provenance` the bookkeeping.
 
@@ -30,6 +31,7 @@ from nipype.utils.filemanip import fname_presuffix
 
 from .engine import DEFAULTS, NOISE_FLOORS
 from .engine.gpu import absent_reason, visible_devices as visible_gpus
+from .engine.complex_data import PHASE_METHODS
 from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 from .engine.patches import EXTENT_RULES
 
@@ -99,23 +101,29 @@ def gpu_slot(devices=None):
     yield first, devices[first], True
 
 
-def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=None):
+def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=None, phase=None):
     """Run the engine on a GPU when asked and usable, else on the CPU; return (result, notes, placement).
 
     ``notes``: sentences for the provenance's warnings (the engine's, and ours when no GPU was usable or
     the GPU ran out of memory). ``placement``: how the run was placed (``GPUAsked``, ``GPUSlot``,
-    ``CPUFallback``). The GPU runs on the device ``gpu_slot`` gives it, so that concurrent nodes on a
+    ``CPUFallback``). With ``phase`` (radians or scanner units) the run is ``denoise_complex``'s and
+    ``parameters`` holds its options (``phase_method``; no noise floor). The GPU runs on the device ``gpu_slot`` gives it, so that concurrent nodes on a
     machine with several GPUs each use their own; a run that goes on on the CPU after the GPU ran out of
     memory gives its slot back first (another node can use the GPU meanwhile).
     """
     from .engine import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, check_device, denoise
+    from .engine.complex_data import denoise_complex
 
     notes, placement = [], {"GPUAsked": bool(use_gpu), "GPUSlot": None, "CPUFallback": None}
 
     def run(device):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", MPPCAWarning)
-            result = denoise(data, mask, **parameters, device=device, nprocs=nprocs, gpu_memory=gpu_memory)
+            if phase is None:
+                result = denoise(data, mask, **parameters, device=device, nprocs=nprocs, gpu_memory=gpu_memory)
+            else:
+                result = denoise_complex(data, phase, mask, **parameters, device=device, nprocs=nprocs,
+                                         gpu_memory=gpu_memory)
         notes.extend(str(w.message) for w in caught if issubclass(w.category, MPPCAWarning))
         return result
 
@@ -179,6 +187,12 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
                                    "'coils' channels): MP-PCA of a variance-stabilised transform, mapped back "
                                    "without the floor's bias")
     coils = traits.Int(1, usedefault=True, desc="channels of an 'ncchi' noise floor (1 otherwise)")
+    phase_file = File(exists=True,
+                      desc="the phase of in_file (then the magnitude of a complex series), 4D on its grid, in radians "
+                           "or the scanner's whole-number units (detected): the background phase is removed and the "
+                           "real part denoised, with no magnitude floor (needs noise_floor 'none')")
+    phase_method = traits.Enum(*PHASE_METHODS, usedefault=True,
+                               desc="how the background phase is estimated: 'hann', a 2D Hann low-pass per slice")
     use_gpu = traits.Bool(gpu_probably_usable(), usedefault=True,
                           desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
                                "GPU slot for the node. Default: true when a GPU is usable here")
@@ -192,6 +206,7 @@ class _MPPCADenoiseOutputSpec(TraitedSpec):
     out_file = File(exists=True, desc="denoised series (float32, same grid and header as the input)")
     noise_file = File(exists=True, desc="3D map of the noise standard deviation estimated by MP-PCA")
     rank_file = File(exists=True, desc="3D map of the number of signal components kept")
+    out_phase_file = File(desc="with phase_file: the phase of the denoised complex series, in radians")
     provenance_file = File(exists=True, desc="JSON: parameters, backend, device, versions, timings, "
                                              "noise and rank summaries, input checksum")
 
@@ -209,7 +224,7 @@ class MPPCADenoise(SimpleInterface):
     def _run_interface(self, runtime):
         from . import io
         from .bids import collect_provenance, sha256_file
-        from .engine import available_cpus
+        from .engine import MPPCAInputError, available_cpus
         from .phases import Phases
 
         start = time.perf_counter()
@@ -221,8 +236,20 @@ class MPPCADenoise(SimpleInterface):
             mask = io.load_mask(self.inputs.mask, data.shape[:3])
         parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride,
                           estimator=self.inputs.estimator, aggregation=self.inputs.aggregation,
-                          demean=self.inputs.demean, noise_floor=self.inputs.noise_floor,
-                          coils=self.inputs.coils)
+                          demean=self.inputs.demean)
+        phase = None
+        if isdefined(self.inputs.phase_file):
+            if self.inputs.noise_floor != "none":
+                raise MPPCAInputError(f"phase_file removes the magnitude floor by denoising the demodulated real "
+                                      f"part; noise_floor must be 'none', not {self.inputs.noise_floor!r}")
+            image_shape = tuple(io.load_image(self.inputs.phase_file, "phase").shape)
+            if image_shape != data.shape:
+                raise MPPCAInputError(f"the phase {self.inputs.phase_file} has shape {image_shape}, but the "
+                                      f"magnitude's is {data.shape}")
+            phase = io.read_data(io.load_image(self.inputs.phase_file, "phase"), self.inputs.phase_file, "phase")
+            parameters["phase_method"] = self.inputs.phase_method
+        else:
+            parameters.update(noise_floor=self.inputs.noise_floor, coils=self.inputs.coils)
         noise_source = {}  # where a given noise level came from: the number, or the file's name and checksum
         if isdefined(self.inputs.noise_in):
             if isinstance(self.inputs.noise_in, str):
@@ -236,7 +263,7 @@ class MPPCADenoise(SimpleInterface):
         with phases("denoise"):
             result, notes, placement = denoise_on_device(
                 data, mask, parameters, use_gpu=self.inputs.use_gpu, nprocs=nprocs,
-                gpu_memory=self.inputs.gpu_memory if isdefined(self.inputs.gpu_memory) else None)
+                gpu_memory=self.inputs.gpu_memory if isdefined(self.inputs.gpu_memory) else None, phase=phase)
         phases.parts_of("denoise", result.info["seconds"])
         for note in notes:
             LOGGER.warning("MPPCADenoise %s: %s", Path(self.inputs.in_file).name, note)
@@ -248,14 +275,21 @@ class MPPCADenoise(SimpleInterface):
             io.save_like(result.denoised, image, out_file)
             io.save_like(result.sigma, image, noise_file)
             io.save_like(result.rank, image, rank_file)
+            if phase is not None:
+                out_phase_file = fname_presuffix(self.inputs.in_file, suffix="_phase", newpath=runtime.cwd)
+                io.save_like(result.phase, image, out_phase_file)
+                self._results["out_phase_file"] = out_phase_file
 
         provenance = collect_provenance(
             result, self.inputs.in_file,
             mask_file=self.inputs.mask if isdefined(self.inputs.mask) else None,
             mask=mask, parameters=dict({k: v for k, v in parameters.items() if k != "noise"}, **noise_source,
+                                       **({} if phase is None else dict(phase_file=Path(self.inputs.phase_file).name)),
                                        use_gpu=bool(self.inputs.use_gpu), num_threads=self.inputs.num_threads),
             wall_seconds=time.perf_counter() - start, warnings=notes, timings=phases.as_dict())
         provenance.update(placement)
+        if phase is not None:
+            provenance["PhaseSHA256"] = sha256_file(self.inputs.phase_file)
         if isdefined(self.inputs.noise_in) and isinstance(self.inputs.noise_in, str):
             provenance["NoiseInSHA256"] = sha256_file(self.inputs.noise_in)
         provenance_file = str(Path(runtime.cwd) / "provenance.json")

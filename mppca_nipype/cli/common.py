@@ -315,6 +315,32 @@ def noise_floor_options(args) -> dict:
     return dict(noise_floor=args.noise_floor, coils=args.coils or 1)
 
 
+def add_phase_options(parser) -> None:
+    """``--phase``, ``--phase-out`` and ``--phase-method`` of ``mppca-denoise``; ``phase_problem`` checks them."""
+    from ..engine.complex_data import PHASE_METHODS
+
+    parser.add_argument("--phase", metavar="FILE",
+                        help="the phase of IN (IN is then the magnitude of a complex series), 4D on IN's grid, in "
+                             "radians or the scanner's whole-number units ([-4096, 4095] or [0, 4095], detected): "
+                             "the smooth background phase is removed and the real part denoised, with Gaussian "
+                             "noise and no magnitude floor (docs/options.md)")
+    parser.add_argument("--phase-out", metavar="FILE",
+                        help="with --phase: also write the phase of the denoised complex series, in radians")
+    parser.add_argument("--phase-method", choices=PHASE_METHODS, default=PHASE_METHODS[0],
+                        help="how the background phase is estimated: hann, a 2D Hann low-pass of each slice in "
+                             "k-space (default: %(default)s)")
+
+
+def phase_problem(args) -> str | None:
+    """The sentence that says why the phase options do not go with the others, or None."""
+    if args.phase_out is not None and args.phase is None:
+        return "--phase-out writes the denoised phase and needs --phase, the input's phase"
+    if args.phase is not None and args.noise_floor != "none":
+        return ("--phase removes the magnitude floor by denoising the demodulated real part; leave out "
+                f"--noise-floor {args.noise_floor}")
+    return None
+
+
 def add_run_options(parser, *, work: str) -> None:
     """``--nprocs``, ``--quiet`` and ``--timings`` of the one-file commands; ``work`` names the computing
     phase in the timings (``denoise``, ``estimate``)."""

@@ -25,11 +25,13 @@ import numpy as np
 from .. import io
 from ..engine import (DEFAULTS, DEVICES, MIN_VOLUMES, NOISE_STRIDE, MPPCAInputError, MPPCAWarning, check_device,
                       choose_device, denoise, resolve_noise, resolve_options)
+from ..engine.complex_data import denoise_complex
 from ..phases import Phases, process_age
 from . import noise as noise_only
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option,
-                     add_noise_floor_options, add_run_options, add_version_option, check_destinations, inside_voxels,
-                     leave_now_after_the_gpu, noise_floor_options, noise_floor_problem, open_input, say,
+                     add_noise_floor_options, add_phase_options, add_run_options, add_version_option, check_destinations, inside_voxels,
+                     leave_now_after_the_gpu, noise_floor_options, noise_floor_problem, open_input, phase_problem,
+                     say,
                      user_errors, warnings_as_lines, where_it_ran, write_images)
 
 PROG = "mppca-denoise"
@@ -92,6 +94,7 @@ def build_parser() -> ArgumentParser:
                              "sigma^2 (1 + sqrt(gamma))^2 (docs/options.md); with --noise-floor, the "
                              "channels' sigma of the magnitude data")
     add_noise_floor_options(parser)
+    add_phase_options(parser)
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="auto: a CUDA GPU where the GPU engine is installed and usable and would "
                              "finish first, its start included, else the CPU (where the GPU may win and be "
@@ -138,6 +141,7 @@ def main(argv=None):
         given = [name for name, value in (("OUT", args.output), ("--noise-in", args.noise_in),
                                           ("--warm-up", args.warm_up), ("--coils", args.coils)) if value is not None]
         given += ["--noise-floor"] if args.noise_floor != "none" else []
+        given += [name for name, value in (("--phase", args.phase), ("--phase-out", args.phase_out)) if value]
         if given:
             parser.error(f"--noise-only writes the noise map alone (--noise SIGMA) and takes no {', '.join(given)}")
         if args.input is None or args.noise is None:
@@ -153,14 +157,16 @@ def main(argv=None):
     if args.warm_up is not None:
         given = [name for name, value in (("IN", args.input), ("OUT", args.output), ("--mask", args.mask),
                                           ("--noise", args.noise), ("--rank", args.rank),
-                                          ("--noise-in", args.noise_in)) if value is not None]
+                                          ("--noise-in", args.noise_in), ("--phase", args.phase),
+                                          ("--phase-out", args.phase_out)) if value is not None]
         given += ["--noise-floor"] if args.noise_floor != "none" else []
         if given:
             parser.error(f"--warm-up denoises generated series and takes no files ({', '.join(given)})")
     elif args.input is None or args.output is None:
         parser.error("the following arguments are required: IN, OUT")
-    if noise_floor_problem(args):
-        parser.error(noise_floor_problem(args))
+    for problem in (noise_floor_problem(args), phase_problem(args)):
+        if problem:
+            parser.error(problem)
     with warnings_as_lines(PROG), user_errors(PROG):
         if args.warm_up is not None:
             warm_up(args, parser)
@@ -185,11 +191,19 @@ def run(args, parser) -> None:
     with io.staged_files(outputs, what=outputs) as staged:
         with phases("read"):
             data = io.read_data(image, args.input)
+            phase = None if args.phase is None else io.read_data(io.load_image(args.phase, "phase"), args.phase,
+                                                                 "phase")
         with phases("denoise"), ProgressBar(PROG, quiet=args.quiet) as progress:
-            result = denoise(data, mask, **options, **noise_floor_options(args), device=args.device,
-                             nprocs=args.nprocs, gpu_memory=args.gpu_memory, progress=progress)
+            run_options = dict(device=args.device, nprocs=args.nprocs, gpu_memory=args.gpu_memory,
+                               progress=progress)
+            if phase is None:
+                result = denoise(data, mask, **options, **noise_floor_options(args), **run_options)
+            else:
+                result = denoise_complex(data, phase, mask, **options, phase_method=args.phase_method,
+                                         **run_options)
         phases.parts_of("denoise", result.info["seconds"])
-        images = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank}
+        images = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank,
+                  args.phase_out: getattr(result, "phase", None)}
         with phases("write"):
             write_images(images, image, staged, outputs)
 
@@ -203,6 +217,10 @@ def _checked(args, parser):
     """Every check before a voxel is read: the input's header, the mask, the options, the device, the
     destinations (distinct, not an input, writable). Returns (image, mask, options, {output: label})."""
     image, shape, mask = open_input(args)  # shapes only: no voxel of the series is read yet
+    if args.phase is not None:  # its header now; its values (units, finiteness) once read
+        phase_shape = tuple(io.load_image(args.phase, "phase").shape)
+        if phase_shape != shape:
+            raise MPPCAInputError(f"the phase {args.phase} has shape {phase_shape}, but the magnitude's is {shape}")
     options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
                    aggregation=args.aggregation, demean=args.demean)
     try:
@@ -220,8 +238,9 @@ def _checked(args, parser):
 
     # the destinations: distinct, not an input, writable (proved by creating their temporary files)
     outputs = check_destinations(parser, [(args.output, "output"), (args.noise, "noise map"),
-                                          (args.rank, "rank map")],
-                                 (args.input, args.mask, args.noise_in if isinstance(args.noise_in, str) else None))
+                                          (args.rank, "rank map"), (args.phase_out, "phase output")],
+                                 (args.input, args.mask, args.noise_in if isinstance(args.noise_in, str) else None,
+                                  args.phase))
     return image, mask, options, outputs
 
 
@@ -313,8 +332,13 @@ def summary(result, data, mask, seconds: float) -> str:
                    f"median rank {np.median(result.rank[denoised]):.3g} in {count} voxels")
     else:
         medians = "no voxel was denoised"
-    return (f"{PROG}: denoised {'x'.join(map(str, data.shape))} in {seconds:.1f} s ({where_it_ran(result.info)}); "
+    line = (f"{PROG}: denoised {'x'.join(map(str, data.shape))} in {seconds:.1f} s ({where_it_ran(result.info)}); "
             f"{medians}")
+    if "phase_method" in result.info:  # complex data: how the phase was read and whether demodulation held
+        ratio = result.info["imaginary_sd_ratio"]
+        line += (f"; phase in {result.info['phase_units']}, background by {result.info['phase_method']}, rms of the "
+                 f"imaginary part / noise {'n/a' if ratio is None else format(ratio, '.3f')}")
+    return line
 
 
 if __name__ == "__main__":

@@ -38,12 +38,13 @@ PHASE_WIDTH = 0.375
 
 #: Passes of the Hann filter (``background_phase``): the second and later filter the residual phase (chosen by
 #: measurement: docs/benchmarks.md, "Complex data").
-PHASE_PASSES = 2
+PHASE_PASSES = 3
 
 #: The value ranges of phase images in the scanners' integer units and how each maps to radians: Siemens
-#: stores [-4096, 4095] (a 12-bit value with slope 2 and intercept -4096) or [0, 4095] unscaled.
-SCANNER_UNITS = {"[-4096, 4095]": (-4096.0, 4095.0, math.pi / 4096, 0.0),
-                 "[0, 4095]": (0.0, 4095.0, 2 * math.pi / 4096, -math.pi)}
+#: stores [-4096, 4095] (a 12-bit value with slope 2 and intercept -4096) or [0, 4095] unscaled. Tried in this
+#: order: a phase without negative values is [0, 4095] (one in [-4096, 4095] has half its values below 0).
+SCANNER_UNITS = {"[0, 4095]": (0.0, 4095.0, 2 * math.pi / 4096, -math.pi),
+                 "[-4096, 4095]": (-4096.0, 4095.0, math.pi / 4096, 0.0)}
 
 #: How far beyond [-pi, 2 pi] a phase in radians may reach (rounding of a float32 file).
 RADIANS_SLACK = 1e-3
@@ -97,8 +98,7 @@ def phase_in_radians(phase, shape=None):
     finite = np.isfinite(phase)
     if not finite.all():
         first = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise MPPCAInputError(f"the phase holds {int((~finite).sum())} values that are NaN or Inf, the first at "
-                              f"{first}")
+        raise MPPCAInputError(f"the phase is NaN or Inf at {int((~finite).sum())} of its values, the first at {first}")
     low, high = float(phase.min()), float(phase.max())
     if low >= -math.pi - RADIANS_SLACK and high <= 2 * math.pi + RADIANS_SLACK:
         return phase.astype(np.float32, copy=False), "radians"
@@ -107,7 +107,7 @@ def phase_in_radians(phase, shape=None):
         if whole and low >= first and high <= last:
             return (phase * np.float32(scale) + np.float32(offset)).astype(np.float32), units
     raise MPPCAInputError(f"the phase's values lie in [{low:.6g}, {high:.6g}]: neither radians ([-pi, pi] or "
-                          f"[0, 2 pi]) nor a scanner's whole-number units ({' or '.join(SCANNER_UNITS)})")
+                          f"[0, 2 pi]) nor a scanner's whole-number units ({' or '.join(reversed(SCANNER_UNITS))})")
 
 
 def hann_window(size: int, width: float):

@@ -1,0 +1,174 @@
+"""Complex data (``denoise_complex``, ``engine.complex_data``): the phase's units, the background phase found
+on a noiseless phantom, the imaginary part left as noise alone, the bias removed against magnitude-only
+denoising, and the command's and the interface's handling of a phase file."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from mppca_nipype import MPPCAInputError, denoise, denoise_complex
+from mppca_nipype.engine.complex_data import background_phase, phase_in_radians
+from mppca_nipype.phantoms import complex_dwi_phantom
+
+SHAPE, VOLUMES = (24, 24, 12), 24
+
+
+def wrapped(angle):
+    return np.angle(np.exp(1j * angle))
+
+
+# -- the phase's units ------------------------------------------------------------------------------------
+
+def test_radians_are_taken_as_they_are():
+    phase = np.linspace(-math.pi, math.pi, 60, dtype=np.float32).reshape(3, 4, 5, 1)
+    radians, units = phase_in_radians(phase)
+    assert units == "radians"
+    np.testing.assert_array_equal(radians, phase)
+
+
+@pytest.mark.parametrize("low, high, units", [(-4096, 4095, "[-4096, 4095]"), (0, 4095, "[0, 4095]")])
+def test_scanner_units_are_detected_and_rescaled_to_minus_pi_pi(low, high, units):
+    truth = np.linspace(-math.pi, math.pi - 2 * math.pi / 4096, 4096)
+    values = np.round((truth + math.pi) / (2 * math.pi) * (high - low + 1) + low).reshape(16, 16, 16, 1)
+    radians, found = phase_in_radians(values)
+    assert found == units
+    assert np.abs(wrapped(radians.ravel() - truth)).max() < 1e-5
+
+
+@pytest.mark.parametrize("values, sentence", [
+    (np.full((2, 2, 2, 3), 100.5), "neither radians"),
+    (np.full((2, 2, 2, 3), 5000.0), "neither radians"),
+    (np.where(np.arange(24).reshape(2, 2, 2, 3) == 7, np.nan, 0.0), "NaN or Inf at 1 of its values, the first at "
+                                                                      "(0, 1, 0, 1)"),
+])
+def test_a_phase_that_is_not_a_phase_fails_with_one_sentence(values, sentence):
+    with pytest.raises(MPPCAInputError, match=sentence.replace("(", r"\(").replace(")", r"\)")):
+        phase_in_radians(values)
+
+
+def test_a_phase_of_another_shape_fails():
+    with pytest.raises(MPPCAInputError, match="does not match the magnitude's"):
+        denoise_complex(np.ones((4, 4, 4, 5)), np.zeros((4, 4, 4, 4)))
+
+
+# -- the background phase -----------------------------------------------------------------------------------
+
+def test_the_hann_filter_recovers_a_smooth_phase_on_a_noiseless_phantom():
+    _, _, truth, phi, _, _ = complex_dwi_phantom(SHAPE, VOLUMES, sigma=0.0)
+    estimate = background_phase(truth * np.exp(1j * phi))
+    head = truth > 0.2 * truth.max()
+    error = np.abs(wrapped(estimate - phi))[head]
+    # the signal's loss cos(error) is below 0.5% in the median voxel and 5% in the 99th percentile
+    assert np.median(error) < 0.1
+    assert np.percentile(error, 99) < 0.32
+
+
+def test_the_demodulated_imaginary_part_is_noise_of_sigma():
+    sigma = 100.0
+    magnitude, phase, _, _, _, _ = complex_dwi_phantom(SHAPE, VOLUMES, sigma=sigma)
+    result = denoise_complex(magnitude, phase, device="cpu", nprocs=1)
+    assert result.info["imaginary_sd_ratio"] == pytest.approx(1, abs=0.06)
+    head = result.sigma > 0
+    assert np.median(result.sigma[head]) == pytest.approx(sigma, rel=0.05)  # the real channel's sigma
+    assert result.info["phase_units"] == "radians" and result.info["phase_method"] == "hann"
+
+
+def test_the_output_phase_is_the_background_phase_where_the_signal_is_strong():
+    magnitude, phase, truth, phi, _, _ = complex_dwi_phantom(SHAPE, VOLUMES, sigma=50.0)
+    result = denoise_complex(magnitude, phase, device="cpu", nprocs=1)
+    strong = truth > 400
+    assert np.median(np.abs(wrapped(result.phase - phi))[strong]) < 0.1
+    assert result.phase.min() >= -math.pi and result.phase.max() < math.pi
+
+
+# -- what it is for: no magnitude floor ---------------------------------------------------------------------
+
+def test_complex_denoising_removes_most_of_the_magnitude_floors_bias():
+    sigma = 250.0  # SNR 4 at b = 0
+    magnitude, phase, truth, _, _, _ = complex_dwi_phantom(SHAPE, VOLUMES, sigma=sigma)
+    head = truth[..., :1] > 0
+    low = (truth < 3 * sigma) & head
+    magnitude_only = denoise(magnitude, device="cpu", nprocs=1).denoised - truth
+    complex_data = denoise_complex(magnitude, phase, device="cpu", nprocs=1).denoised - truth
+    assert magnitude_only[low].mean() > 0.2 * sigma  # the floor
+    assert abs(complex_data[low].mean()) < 0.25 * magnitude_only[low].mean()
+    assert np.sqrt(np.mean(complex_data**2)) < 0.7 * np.sqrt(np.mean(magnitude_only**2))
+
+
+def test_a_negative_magnitude_fails_with_one_sentence():
+    magnitude = np.ones((4, 4, 4, 5))
+    magnitude[0, 0, 0, 0] = -1
+    with pytest.raises(MPPCAInputError, match="1 negative values"):
+        denoise_complex(magnitude, np.zeros(magnitude.shape))
+
+
+# -- the command and the interface ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("complex")
+    magnitude, phase, _, _, _, _ = complex_dwi_phantom((12, 12, 8), 16, sigma=100.0)
+    paths = {}
+    for name, array in (("mag", magnitude), ("phase", phase), ("phase_short", phase[..., :5]),
+                        ("phase_degrees", np.degrees(phase) * 10)):
+        paths[name] = folder / f"{name}.nii.gz"
+        nib.save(nib.Nifti1Image(array, np.eye(4)), paths[name])
+    return paths
+
+
+def run_cli(*args, cwd):
+    command = [sys.executable, "-m", "mppca_nipype.cli.denoise", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_the_command_writes_the_engines_magnitude_and_phase(files, tmp_path):
+    result = run_cli(files["mag"], "out.nii.gz", "--phase", files["phase"], "--phase-out", "phase.nii.gz",
+                     "--device", "cpu", "--nprocs", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "phase in radians, background by hann" in result.stderr
+    expected = denoise_complex(nib.load(files["mag"]).get_fdata(), nib.load(files["phase"]).get_fdata(),
+                               device="cpu", nprocs=1)
+    np.testing.assert_allclose(nib.load(tmp_path / "out.nii.gz").get_fdata(), expected.denoised, atol=1e-3)
+    np.testing.assert_allclose(nib.load(tmp_path / "phase.nii.gz").get_fdata(), expected.phase, atol=1e-5)
+
+
+@pytest.mark.parametrize("arguments, sentence", [
+    (("--phase", "{phase_short}"), "has shape (12, 12, 8, 5), but the magnitude's is (12, 12, 8, 16)"),
+    (("--phase", "{phase_degrees}"), "neither radians"),
+    (("--phase-out", "p.nii.gz"), "--phase-out writes the denoised phase and needs --phase"),
+    (("--phase", "{phase}", "--noise-floor", "rician"), "leave out --noise-floor rician"),
+])
+def test_the_command_fails_with_one_sentence_and_writes_nothing(files, tmp_path, arguments, sentence):
+    arguments = [a.format(**files) for a in arguments]
+    result = run_cli(files["mag"], "out.nii.gz", *arguments, "--noise", "sigma.nii.gz", "--device", "cpu",
+                     cwd=tmp_path)
+    assert result.returncode in (1, 2)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and sentence in lines[0]
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_interface_round_trip_writes_the_phase_and_records_it(files, tmp_path):
+    from mppca_nipype.interfaces import MPPCADenoise
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        outputs = MPPCADenoise(in_file=str(files["mag"]), phase_file=str(files["phase"]), use_gpu=False).run().outputs
+    finally:
+        os.chdir(cwd)
+    expected = denoise_complex(nib.load(files["mag"]).get_fdata(), nib.load(files["phase"]).get_fdata(),
+                               device="cpu", nprocs=1)
+    np.testing.assert_allclose(nib.load(outputs.out_file).get_fdata(), expected.denoised, atol=1e-3)
+    np.testing.assert_allclose(nib.load(outputs.out_phase_file).get_fdata(), expected.phase, atol=1e-5)
+    provenance = json.loads(open(outputs.provenance_file).read())
+    assert provenance["Parameters"]["phase_method"] == "hann"
+    assert provenance["Parameters"]["phase_file"] == "phase.nii.gz"
+    assert provenance["EngineInfo"]["phase_units"] == "radians"
+    assert len(provenance["PhaseSHA256"]) == 64
