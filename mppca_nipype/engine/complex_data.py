@@ -6,7 +6,7 @@ channel, carries its signal A on a background phase phi that varies smoothly in 
 background phase is known, the demodulated image S e^{-i phi} has its signal in the real part,
 R = Re(S e^{-i phi}) = A + n_R, with Gaussian noise of sigma and no floor, and only noise in the imaginary part,
 I = Im(S e^{-i phi}) = n_I. MP-PCA of R then removes the noise without the floor's bias (the idea of
-DESIGNER-v2's ``-phase``; Lemberskiy et al. 2021 use the same demodulation).
+DESIGNER-v2's ``-phase``).
 
 ``background_phase`` estimates phi per slice and volume from the complex image itself: a 2D Hann low-pass in
 k-space over the central ``width`` of each in-plane axis, phi = angle of the filtered image (the method of
@@ -15,8 +15,6 @@ Eichner et al. 2015 for real-valued diffusion MRI). ``denoise_complex`` runs the
 
 References: Eichner C, Cauley SF, Cohen-Adad J, et al. Real diffusion-weighted MRI enabling true signal averaging
 and increased diffusion contrast. NeuroImage 122:373-384 (2015). doi:10.1016/j.neuroimage.2015.07.074.
-Lemberskiy G, Baete S, Veraart J, Shepherd TM, Fieremans E, Novikov DS. Achieving sub-mm clinical diffusion MRI
-resolution by removing noise during reconstruction using random matrix theory. ISMRM 2019:770.
 """
 
 from __future__ import annotations
