@@ -192,7 +192,8 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
                            "or the scanner's whole-number units (detected): the background phase is removed and the "
                            "real part denoised, with no magnitude floor (needs noise_floor 'none')")
     phase_method = traits.Enum(*PHASE_METHODS, usedefault=True,
-                               desc="how the background phase is estimated: 'hann', a 2D Hann low-pass per slice")
+                               desc="how the background phase is estimated: 'hann', a 2D Hann low-pass per slice; "
+                                    "'mppca', the same of the complex series first denoised by MP-PCA")
     use_gpu = traits.Bool(gpu_probably_usable(), usedefault=True,
                           desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
                                "GPU slot for the node. Default: true when a GPU is usable here")

@@ -328,7 +328,8 @@ def add_phase_options(parser) -> None:
                         help="with --phase: also write the phase of the denoised complex series, in radians")
     parser.add_argument("--phase-method", choices=PHASE_METHODS, default=PHASE_METHODS[0],
                         help="how the background phase is estimated: hann, a 2D Hann low-pass of each slice in "
-                             "k-space (default: %(default)s)")
+                             "k-space; mppca, the same of the complex series first denoised by MP-PCA (a second "
+                             "pass, over 2T volumes; less noise in the phase) (default: %(default)s)")
 
 
 def phase_problem(args) -> str | None:

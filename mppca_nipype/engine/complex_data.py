@@ -27,8 +27,10 @@ import numpy as np
 
 from .errors import MPPCAInputError
 
-#: The methods that estimate the background phase (``background_phase``).
-PHASE_METHODS = ("hann",)
+#: The methods that estimate the background phase (``denoise_complex``): ``hann``, the Hann filter of the noisy
+#: complex image (``background_phase``); ``mppca``, the Hann filter of the complex image first denoised by
+#: MP-PCA (its real and imaginary parts as one series of 2T volumes).
+PHASE_METHODS = ("hann", "mppca")
 
 #: The default width of the Hann window: the central fraction of k-space it keeps along each in-plane axis
 #: (chosen by measurement: docs/benchmarks.md, "Complex data").
@@ -115,18 +117,16 @@ def hann_window(size: int, width: float):
     return np.where(np.abs(k) < half, 0.5 + 0.5 * np.cos(np.pi * k / half), 0.0)
 
 
-def background_phase(image, *, method="hann", width=PHASE_WIDTH, passes=PHASE_PASSES):
+def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES):
     """The smooth background phase of a complex series (X, Y, Z, T), per slice (z) and volume, in radians.
 
-    ``hann``: each in-plane image multiplied in k-space by a separable 2D Hann window that keeps the central
+    Each in-plane image multiplied in k-space by a separable 2D Hann window that keeps the central
     ``width`` of each axis (its response falls to 0 at |k| = width / 2 cycles per voxel), phi = angle of the
     filtered image. Each further pass filters the image demodulated by the phase so far and adds the angle of
     what is left: the residual phase is small and nearly flat, so the filter's averaging over a region where
     the magnitude changes (an edge of the head) no longer pulls it towards the bright side. Returns float32 of
     the same shape, wrapped to [-pi, pi).
     """
-    if method not in PHASE_METHODS:
-        raise MPPCAInputError(f"phase_method must be one of {', '.join(PHASE_METHODS)}, not {method!r}")
     if isinstance(width, bool) or not (isinstance(width, (float, int, np.floating)) and 0 < width <= 1):
         raise MPPCAInputError(f"phase_width must be a number in (0, 1], not {width!r}")
     from scipy import fft
@@ -148,7 +148,9 @@ def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_w
     """MP-PCA of complex data: the background phase removed, the real part denoised, the phase put back.
 
     1. S = magnitude e^{i phase} (``phase`` in radians or a scanner's units: ``phase_in_radians``).
-    2. phi = ``background_phase``(S) per slice and volume.
+    2. phi = ``background_phase``(S) per slice and volume (``phase_method="hann"``), or of S first denoised
+       by ``denoise`` of its real and imaginary parts stacked as 2T volumes (``"mppca"``: less noise in phi, at
+       the cost of a second pass over twice the volumes).
     3. R = Re(S e^{-i phi}), I = Im(S e^{-i phi}); R has Gaussian noise and no floor, I is noise alone.
     4. R_hat = ``denoise``(R) with the denoising options, ``noise`` (the real channel's sigma, when known),
        ``device``, ``nprocs``, ``gpu_memory`` and ``progress`` as ``denoise`` takes them (None: its defaults).
@@ -170,6 +172,8 @@ def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_w
         now = time.perf_counter()
         seconds[step], last = round(now - last, 4), now
 
+    if phase_method not in PHASE_METHODS:
+        raise MPPCAInputError(f"phase_method must be one of {', '.join(PHASE_METHODS)}, not {phase_method!r}")
     if magnitude_out not in MAGNITUDES:
         raise MPPCAInputError(f"magnitude_out must be one of {', '.join(MAGNITUDES)}, not {magnitude_out!r}")
     magnitude, mask = check_data(magnitude, mask)
@@ -181,14 +185,22 @@ def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_w
                               "modulus of the complex image")
     finite = np.isfinite(magnitude)
     image = np.where(finite, magnitude, 0).astype(np.complex64) * np.exp(1j * radians).astype(np.complex64)
-    background = background_phase(image, method=phase_method, width=phase_width, passes=phase_passes)
+    run_options = dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory, progress=progress)
+    if phase_method == "mppca":
+        first = denoise(np.concatenate([image.real, image.imag], axis=3), mask, **options, **run_options).denoised
+        n_volumes = magnitude.shape[3]
+        background = background_phase(first[..., :n_volumes] + 1j * first[..., n_volumes:], width=phase_width,
+                                      passes=phase_passes)
+        del first
+        lap("first pass")
+    else:
+        background = background_phase(image, width=phase_width, passes=phase_passes)
     image *= np.exp(-1j * background).astype(np.complex64)
     real = np.where(finite, image.real, magnitude)  # NaN/Inf stay where the engine expects them
     imaginary = image.imag
     del image
     lap("demodulation")
-    result = denoise(real, mask, **options, noise=noise, device=device, nprocs=nprocs, gpu_memory=gpu_memory,
-                     progress=progress)
+    result = denoise(real, mask, **options, noise=noise, **run_options)
     del real
     lap("denoise")
     denoised = result.denoised
