@@ -61,7 +61,7 @@ class ComplexDenoiseResult:
     Attributes
     ----------
     denoised : (X, Y, Z, T) float32 array
-        The denoised magnitude (``magnitude`` option: max(R_hat, 0) or |R_hat|).
+        The denoised magnitude (``magnitude_out``: max(R_hat, 0) or |R_hat|).
     phase : (X, Y, Z, T) float32 array
         The phase of the denoised complex image R_hat e^{i phi}, in radians in [-pi, pi): phi where R_hat >= 0,
         phi + pi where it is negative.
@@ -70,7 +70,8 @@ class ComplexDenoiseResult:
     rank : (X, Y, Z) float32 array
         The number of signal components kept in R.
     info : dict
-        ``denoise``'s info, with ``phase_method``, ``phase_width``, ``phase_units``, ``magnitude``,
+        ``denoise``'s info, with ``phase_method``, ``phase_width``, ``phase_passes``, ``phase_units``,
+        ``magnitude`` (``magnitude_out``),
         ``imaginary_sd_ratio`` (the median over the denoised voxels of the rms of I over time, divided by
         sigma: about 1 where phi is right) and ``seconds`` by step.
     """
@@ -157,7 +158,26 @@ def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_w
     5. The magnitude max(R_hat, 0) (``magnitude_out="clip"``) or |R_hat| (``"abs"``); the phase of
        R_hat e^{i phi}.
 
-    Returns a ``ComplexDenoiseResult``.
+    Parameters
+    ----------
+    magnitude : (X, Y, Z, T) array
+        The modulus of the complex series (not negative).
+    phase : (X, Y, Z, T) array
+        Its phase: radians, or a scanner's whole-number units (``phase_in_radians``).
+    mask : (X, Y, Z) array, optional
+        As for ``denoise``.
+    phase_method : {"hann", "mppca"}
+        How phi is estimated (step 2; docs/options.md, "Complex data").
+    phase_width, phase_passes : float, int
+        The Hann window's width (the central fraction of k-space along each in-plane axis) and its passes.
+    magnitude_out : {"clip", "abs"}
+        How the denoised magnitude is taken from R_hat (step 5).
+    extent, stride, estimator, aggregation, demean, noise, device, nprocs, gpu_memory, progress
+        As for ``denoise`` (None: its defaults); ``noise`` is the sigma of each real channel.
+
+    Returns
+    -------
+    ComplexDenoiseResult
     """
     from . import DEFAULTS, check_data, denoise
 
@@ -215,7 +235,8 @@ def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_w
     out_phase[~mask] = 0
     magnitude_denoised = np.abs(denoised) if magnitude_out == "abs" else np.maximum(denoised, 0)
     lap("remodulation")
-    info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width), phase_units=units,
+    info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width),
+                phase_passes=int(phase_passes), phase_units=units,
                 magnitude=magnitude_out, imaginary_sd_ratio=ratio, seconds=dict(result.info["seconds"], **seconds))
     return ComplexDenoiseResult(magnitude_denoised.astype(np.float32, copy=False), out_phase, result.sigma,
                                 result.rank, info)
