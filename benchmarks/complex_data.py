@@ -5,10 +5,11 @@ signal near 1000) on a smooth background phase (a shared field of peak pi plus a
 with complex Gaussian noise of sigma = 1000 / SNR per real channel, at SNR 2, 5, 10 and 20. Methods: the
 magnitude with ``denoise``'s defaults (``none``); the magnitude with ``noise_floor="rician"`` (sigma estimated);
 ``denoise_complex`` (Hann background phase, the real part denoised) with the magnitude taken as max(R_hat, 0)
-(``clip``) and as |R_hat| (``abs``), with the phase of the complex image first denoised (``mppca``), and, to show what the phase estimate costs, with the Hann filter's widths
-and passes varied (``--widths``). Measures, against the truth: RMSE in the head and over the whole image, the
-mean bias where the true signal is below 3 sigma in the head, the median sigma in the head over the true sigma,
-the rms of the demodulated imaginary part over sigma, and the time (``--threads`` worker processes).
+(``clip``) and as |R_hat| (``abs``), with the phase of the complex image first denoised (``mppca``), and, to
+show what the phase estimate costs, with the Hann filter's widths and passes varied (``--widths``). Measures,
+against the truth: RMSE in the head and over the whole image, the mean bias where the true signal is below 3
+sigma in the head, the median sigma in the head over the true sigma, the rms of the demodulated imaginary part
+over sigma, and the time (``--threads`` worker processes).
 
 Usage (from the repository root)::
 
@@ -25,8 +26,6 @@ import argparse
 from pathlib import Path
 import sys
 import time
-
-import numpy as np
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

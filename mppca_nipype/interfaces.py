@@ -107,9 +107,10 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=Non
     ``notes``: sentences for the provenance's warnings (the engine's, and ours when no GPU was usable or
     the GPU ran out of memory). ``placement``: how the run was placed (``GPUAsked``, ``GPUSlot``,
     ``CPUFallback``). With ``phase`` (radians or scanner units) the run is ``denoise_complex``'s and
-    ``parameters`` holds its options (``phase_method``; no noise floor). The GPU runs on the device ``gpu_slot`` gives it, so that concurrent nodes on a
-    machine with several GPUs each use their own; a run that goes on on the CPU after the GPU ran out of
-    memory gives its slot back first (another node can use the GPU meanwhile).
+    ``parameters`` holds its options (``phase_method``; no noise floor). The GPU runs on the device
+    ``gpu_slot`` gives it, so that concurrent nodes on a machine with several GPUs each use their own; a run
+    that goes on on the CPU after the GPU ran out of memory gives its slot back first (another node can use the
+    GPU meanwhile).
     """
     from .engine import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, check_device, denoise
     from .engine.complex_data import denoise_complex

@@ -29,10 +29,10 @@ from ..engine.complex_data import denoise_complex
 from ..phases import Phases, process_age
 from . import noise as noise_only
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option,
-                     add_noise_floor_options, add_phase_options, add_run_options, add_version_option, check_destinations, inside_voxels,
-                     leave_now_after_the_gpu, noise_floor_options, noise_floor_problem, open_input, phase_problem,
-                     say,
-                     user_errors, warnings_as_lines, where_it_ran, write_images)
+                     add_noise_floor_options, add_phase_options, add_run_options, add_version_option,
+                     check_destinations, inside_voxels, leave_now_after_the_gpu, noise_floor_options,
+                     noise_floor_problem, open_input, phase_problem, say, user_errors, warnings_as_lines,
+                     where_it_ran, write_images)
 
 PROG = "mppca-denoise"
 

@@ -144,7 +144,8 @@ def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES):
 
 
 def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_width=PHASE_WIDTH,
-                    phase_passes=PHASE_PASSES, magnitude_out="clip", extent=None, stride=None, estimator=None, aggregation=None, demean=None,
+                    phase_passes=PHASE_PASSES, magnitude_out="clip", extent=None, stride=None, estimator=None,
+                    aggregation=None, demean=None,
                     noise=None, device="auto", nprocs=None, gpu_memory=None, progress=None):
     """MP-PCA of complex data: the background phase removed, the real part denoised, the phase put back.
 
