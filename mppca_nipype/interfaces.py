@@ -32,7 +32,7 @@ from nipype.utils.filemanip import fname_presuffix
 from .engine import DEFAULTS, NOISE_FLOORS
 from .engine.gpu import absent_reason, visible_devices as visible_gpus
 from .engine.complex_data import PHASE_METHODS
-from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
+from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS, FILTERS
 from .engine.patches import EXTENT_RULES
 
 LOGGER = logging.getLogger("nipype.interface")
@@ -128,7 +128,9 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=Non
         notes.extend(str(w.message) for w in caught if issubclass(w.category, MPPCAWarning))
         return result
 
-    if use_gpu:
+    if use_gpu and parameters.get("filter", "hard") != "hard":
+        placement["CPUFallback"] = f"the GPU engine runs the 'hard' filter only, not {parameters['filter']!r}"
+    elif use_gpu:
         try:
             check_device("cuda")
         except MPPCAInputError as err:
@@ -177,6 +179,11 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
     demean = traits.Enum(*default_first("demean", DEMEANING), usedefault=True,
                          desc="mean removed inside a patch before PCA: 'volume' the patch's mean time course, "
                               "'voxel' each voxel's temporal mean, 'none' nothing (dwidenoise)")
+    filter = traits.Enum(*default_first("filter", FILTERS), usedefault=True,  # noqa: A003
+                         desc="what each patch keeps of its components: 'hard' its P leading ones whole "
+                              "(MP-PCA), 'optshrink' Gavish & Donoho's optimal shrinkage of the singular "
+                              "values (Frobenius loss, 2017), 'optthresh' their optimal hard threshold (2014); "
+                              "the GPU engine runs 'hard' only (the others run on the CPU)")
     noise_in = traits.Either(
         traits.Float, File(exists=True),
         desc="a given noise level (standard deviation) instead of each patch's MP-PCA estimate: one positive "
@@ -238,7 +245,7 @@ class MPPCADenoise(SimpleInterface):
             mask = io.load_mask(self.inputs.mask, data.shape[:3])
         parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride,
                           estimator=self.inputs.estimator, aggregation=self.inputs.aggregation,
-                          demean=self.inputs.demean)
+                          demean=self.inputs.demean, filter=self.inputs.filter)
         phase = None
         if isdefined(self.inputs.phase_file):
             if self.inputs.noise_floor != "none":

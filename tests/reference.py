@@ -104,6 +104,35 @@ def given_noise_rank(eigenvalues, n_voxels, n_volumes, sigma2):
     return sum(1 for v in s if max(v, 0.0) / q > edge)
 
 
+def filter_weights(eigenvalues, n_voxels, n_volumes, sigma2, filter):
+    """The weight w_i = eta(y_i) / y_i of each of the r = min(n, T) largest components of one patch (in
+    descending order), the noise variance sigma^2 taken as known (Gavish & Donoho 2014, 2017).
+
+    y_i = sqrt(s_i) / (sigma sqrt(q)): the patch's singular values in units of the noise's, q = max(n, T);
+    beta = r / q. ``hard``: None (the MP rank decides). ``optthresh``: 1 where y_i > lambda*(beta) =
+    sqrt(2 (beta + 1) + 8 beta / (beta + 1 + sqrt(beta^2 + 14 beta + 1))), else 0. ``optshrink``:
+    eta(y) = sqrt((y^2 - beta - 1)^2 - 4 beta) / y where y >= 1 + sqrt(beta), else 0. sigma^2 = 0 (no noise
+    found) keeps every component whole."""
+    r, q = min(n_voxels, n_volumes), max(n_voxels, n_volumes)
+    beta = r / q
+    s = sorted((float(v) for v in eigenvalues), reverse=True)[:r]
+    weights = []
+    for value in s:
+        if sigma2 == 0:
+            weights.append(1.0)
+            continue
+        y = math.sqrt(max(value, 0.0)) / math.sqrt(sigma2 * q)
+        if filter == "optthresh":
+            threshold = math.sqrt(2 * (beta + 1) + 8 * beta / (beta + 1 + math.sqrt(beta**2 + 14 * beta + 1)))
+            weights.append(1.0 if y > threshold else 0.0)
+        elif y >= 1 + math.sqrt(beta):
+            eta = math.sqrt(max((y * y - beta - 1) ** 2 - 4 * beta, 0.0)) / y
+            weights.append(eta / y)
+        else:
+            weights.append(0.0)
+    return weights
+
+
 def patch_matrix(data, voxels, finite):
     """The n_eff x T matrix of the patch's finite voxels (one row per voxel), and those voxels."""
     kept = [v for v in voxels if finite[v]]
@@ -124,9 +153,10 @@ def patch_spectrum(X):
     return eigenvalues, eigenvectors, time_side
 
 
-def denoise_patch(X, demean, estimator, given_sigma2=None):
+def denoise_patch(X, demean, estimator, given_sigma2=None, filter="hard"):
     """MP-PCA of one patch: (X_hat, P, sigma^2); with ``given_sigma2``, P by ``given_noise_rank`` and that
-    sigma^2.
+    sigma^2. With a ``filter`` other than ``hard``, X_hat = X V diag(w) V^T (``filter_weights``) and P the
+    number of weights above 0.
 
     ``demean``: "none"; "voxel" removes each row's mean (one degree of freedom less along time);
     "volume" removes each column's mean, the patch's mean time course (one less along the voxels).
@@ -144,16 +174,23 @@ def denoise_patch(X, demean, estimator, given_sigma2=None):
         P, sigma2 = mp_threshold(eigenvalues, n_eff, t_eff, estimator)
     else:
         P, sigma2 = given_noise_rank(eigenvalues, n_eff, t_eff, given_sigma2), given_sigma2
+    if filter == "hard":
+        w = np.ones(P)
+    else:
+        w = np.array(filter_weights(eigenvalues, n_eff, t_eff, sigma2, filter))
+        P = int(np.count_nonzero(w))
+        w = w[:P]
     top = eigenvectors[:, ::-1][:, :P]  # the P leading eigenvectors
     if time_side:
-        restored = centred @ top @ top.T  # X V_P V_P^T
+        restored = centred @ top @ np.diag(w) @ top.T  # X V_P diag(w) V_P^T
     else:
-        restored = top @ top.T @ centred  # U_P U_P^T X
+        restored = top @ np.diag(w) @ top.T @ centred  # U_P diag(w) U_P^T X
     return restored + means, P, sigma2
 
 
 @threadpool_limits.wrap(limits=1)  # tiny matrices: BLAS threads would only fight over the cores
-def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, estimator, noise=None):
+def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, estimator, noise=None,
+                      filter="hard"):
     """Denoise ``data`` (X, Y, Z, T) one patch at a time; return (denoised, sigma, rank), float64.
 
     ``noise``: a given sigma, one number or an (X, Y, Z) map; a patch's sigma^2 is then the mean of the map's
@@ -178,7 +215,7 @@ def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, e
         elif noise is not None:
             values = [float(noise[v]) ** 2 for v in kept if np.isfinite(noise[v]) and noise[v] > 0]
             given_sigma2 = math.fsum(values) / len(values)
-        restored, P, sigma2 = denoise_patch(X, demean, estimator, given_sigma2)
+        restored, P, sigma2 = denoise_patch(X, demean, estimator, given_sigma2, filter)
         if aggregation == "center":
             row = kept.index(centre)
             image[centre] = restored[row]

@@ -22,8 +22,8 @@ import time
 import warnings
 
 from ..engine import DEVICES, MPPCAInputError, available_cpus
-from .common import (add_denoising_options, add_gpu_memory_option, add_noise_floor_options, add_version_option,
-                     exit_interrupted, fail, noise_floor_options, noise_floor_problem, positive_int, say)
+from .common import (add_denoising_options, add_filter_option, add_gpu_memory_option, add_noise_floor_options,
+                     add_version_option, exit_interrupted, fail, noise_floor_options, noise_floor_problem, positive_int, say)
 
 PROG = "mppca-nipype"
 
@@ -179,6 +179,7 @@ def build_parser():
                                 "noise map under this app's name (*_desc-noise_<dwi|bold>map.nii[.gz]: an "
                                 "earlier run's OUTPUT_DIR, or mppca-noise maps saved under those names) "
                                 "(docs/usage.md)")
+    add_filter_option(denoising)
     add_noise_floor_options(denoising)
     parser.add_argument("--reports", action=argparse.BooleanOptionalAction, default=True,
                         help="write a QC report per subject (sub-<label>.html, figures under "
@@ -416,7 +417,11 @@ def run(args) -> int:
             say(f"{PROG}: warning: BIDS_DIR was not validated: {why_not}")
 
     use_gpu = False
-    if args.device == "cuda":
+    if args.filter != "hard":  # the CPU engine runs the other filters
+        if args.device == "cuda":
+            raise AppError(f"--device cuda was asked for but the GPU engine runs the 'hard' filter only, not "
+                           f"{args.filter!r}; use --device cpu or auto", EXIT["failure"])
+    elif args.device == "cuda":
         try:
             check_cuda()
         except MPPCAInputError as err:
@@ -489,7 +494,7 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
 
     workflow = init_bids_wf(todo, bids_dir=bids_dir, output_dir=output_dir, extent=args.extent,
                             stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
-                            demean=args.demean, num_threads=nprocs, reports=args.reports, noise_in=args.noise_in,
+                            demean=args.demean, filter=args.filter, num_threads=nprocs, reports=args.reports, noise_in=args.noise_in,
                             gpu_memory=args.gpu_memory, **noise_floor_options(args),
                             # auto: each run on the GPU where it would finish first (engine.costs)
                             use_gpu=None if use_gpu and args.device == "auto" else use_gpu)

@@ -285,6 +285,19 @@ def add_denoising_options(parser, *, stride=None, stride_unset=False) -> None:
                              "mean; none, nothing (dwidenoise) (default: %(default)s)")
 
 
+def add_filter_option(parser) -> None:
+    """``--filter`` of the commands that denoise (``mppca-denoise``, ``mppca-nipype``)."""
+    from ..engine import DEFAULTS
+    from ..engine.estimators import FILTERS
+
+    parser.add_argument("--filter", choices=FILTERS, default=DEFAULTS["filter"],
+                        help="what each patch keeps of its components, the noise level taken as known: hard, "
+                             "its P leading components whole (MP-PCA, dwidenoise); optshrink, Gavish & "
+                             "Donoho's optimal shrinkage of the singular values (Frobenius loss, 2017); "
+                             "optthresh, their optimal hard threshold (2014); the GPU engine runs hard only "
+                             "(docs/options.md) (default: %(default)s)")
+
+
 def add_noise_floor_options(parser) -> None:
     """``--noise-floor`` and ``--coils`` of the commands that denoise (``mppca-denoise``, ``mppca-nipype``);
     ``noise_floor_problem`` checks them together."""

@@ -29,10 +29,10 @@ from ..engine.complex_data import denoise_complex
 from ..phases import Phases, process_age
 from . import noise as noise_only
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option,
-                     add_noise_floor_options, add_phase_options, add_run_options, add_version_option,
-                     check_destinations, inside_voxels, leave_now_after_the_gpu, noise_floor_options,
-                     noise_floor_problem, open_input, phase_problem, say, user_errors, warnings_as_lines,
-                     where_it_ran, write_images)
+                     add_filter_option, add_noise_floor_options, add_phase_options, add_run_options,
+                     add_version_option, check_destinations, inside_voxels, leave_now_after_the_gpu,
+                     noise_floor_options, noise_floor_problem, open_input, phase_problem, say, user_errors,
+                     warnings_as_lines, where_it_ran, write_images)
 
 PROG = "mppca-denoise"
 
@@ -93,6 +93,7 @@ def build_parser() -> ArgumentParser:
                              "mask); a patch keeps the components above the Marchenko-Pastur edge "
                              "sigma^2 (1 + sqrt(gamma))^2 (docs/options.md); with --noise-floor, the "
                              "channels' sigma of the magnitude data")
+    add_filter_option(parser)
     add_noise_floor_options(parser)
     add_phase_options(parser)
     parser.add_argument("--device", choices=DEVICES, default="auto",
@@ -222,7 +223,7 @@ def _checked(args, parser):
         if phase_shape != shape:
             raise MPPCAInputError(f"the phase {args.phase} has shape {phase_shape}, but the magnitude's is {shape}")
     options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
-                   aggregation=args.aggregation, demean=args.demean)
+                   aggregation=args.aggregation, demean=args.demean, filter=args.filter)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", MPPCAWarning)  # denoise() gives the same warnings, once

@@ -22,7 +22,7 @@ import numpy as np
 from . import costs
 from .backend import DenoiseOptions, GPUMemory, PatchSums, available_cpus
 from .errors import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, is_out_of_memory
-from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
+from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS, FILTERS
 from .noise_floor import NOISE_FLOORS, check_noise_floor, denoise_magnitude
 from .layout import as_float32, empty_like_series, is_volume_major, planes_of_rows
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
@@ -37,7 +37,7 @@ __all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "Denoise
 MIN_VOLUMES = 3
 
 #: The defaults, chosen by measurement (docs/benchmarks.md, "Choosing the defaults").
-DEFAULTS = dict(extent="wide", stride=3, estimator="exp2", aggregation="weighted", demean="volume")
+DEFAULTS = dict(extent="wide", stride=3, estimator="exp2", aggregation="weighted", demean="volume", filter="hard")
 
 #: ``estimate_noise``'s grid step: coarser than ``denoise``'s, chosen by measurement (docs/benchmarks.md,
 #: "The noise map alone").
@@ -81,12 +81,13 @@ def _check_choice(name, value, choices):
 
 
 def resolve_options(shape, *, extent, stride, estimator, aggregation, demean, noise=None,
-                    mask=None) -> DenoiseOptions:
+                    mask=None, filter="hard") -> DenoiseOptions:  # noqa: A002 - the option's name everywhere
     """Check every option against the data's shape; raise MPPCAInputError with one sentence if wrong.
 
     ``noise`` and ``mask`` as ``denoise`` takes them (``resolve_noise``).
     """
     _check_choice("estimator", estimator, ESTIMATORS)
+    _check_choice("filter", filter, FILTERS)
     _check_choice("aggregation", aggregation, AGGREGATIONS)
     _check_choice("demean", demean, DEMEANING)
     if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
@@ -98,7 +99,7 @@ def resolve_options(shape, *, extent, stride, estimator, aggregation, demean, no
         extent = resolve_extent(extent, shape[:3], n_volumes)
     except ValueError as err:
         raise MPPCAInputError(str(err)) from None
-    return DenoiseOptions(extent, int(stride), estimator, aggregation, demean,
+    return DenoiseOptions(extent, int(stride), estimator, aggregation, demean, filter,
                           noise_variance=resolve_noise(noise, shape[:3], mask))
 
 
@@ -227,8 +228,9 @@ def _plan(data, mask, finite, options) -> PatchPlan:
 
 def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
             estimator=DEFAULTS["estimator"],
-            aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise=None, noise_floor="none",
-            coils=1, device="auto", nprocs=None, gpu_memory=None, progress=None) -> DenoiseResult:
+            aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
+            noise=None, noise_floor="none", coils=1, device="auto", nprocs=None, gpu_memory=None,
+            progress=None) -> DenoiseResult:
     """Denoise a 4D series by Marchenko-Pastur PCA (MP-PCA).
 
     Each patch (a cuboid of ``extent`` voxels) becomes an n x T matrix; the eigenvalues of its Gram matrix
@@ -260,6 +262,13 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         time course (the mean over its voxels of each volume; DIPY's centring; costs one voxel's worth of
         degrees of freedom); ``voxel``, each voxel's temporal mean (costs one volume); ``none``,
         dwidenoise's behaviour.
+    filter : {"hard", "optshrink", "optthresh"}
+        What each patch keeps of its components, the noise level (estimated or given) taken as known:
+        ``hard``, its P leading components whole (MP-PCA, dwidenoise); ``optshrink``, every component above
+        the noise edge, its singular value shrunk by Gavish & Donoho's optimal shrinker for the Frobenius loss
+        (2017); ``optthresh``, the components above their optimal hard threshold (2014), whole
+        (``estimators.component_weights``; docs/options.md, "Filters"). ``rank`` counts the components kept.
+        The GPU engine runs ``hard`` only: ``auto`` runs the others on the CPU.
     noise : positive number or (X, Y, Z) array, optional
         A given noise level (standard deviation) that replaces the per-patch estimate: one number, or a map
         of sigma on the input's grid (each patch takes the mean of sigma^2 over its finite voxels; inside the
@@ -301,7 +310,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     if check_noise_floor(noise_floor, coils) and noise_floor != "none":
         return denoise_magnitude(data, mask, noise_floor=noise_floor, coils=coils, noise=noise,
                                  denoise_options=dict(extent=extent, stride=stride, estimator=estimator,
-                                                      aggregation=aggregation, demean=demean),
+                                                      aggregation=aggregation, demean=demean, filter=filter),
                                  run_options=dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory,
                                                   progress=progress))
     seconds, last = {}, time.perf_counter()
@@ -313,7 +322,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
 
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
-                              aggregation=aggregation, demean=demean, noise=noise, mask=mask)
+                              aggregation=aggregation, demean=demean, noise=noise, mask=mask, filter=filter)
     check_nprocs(nprocs)
     gpu_memory = resolve_gpu_memory(gpu_memory)
     raw, data, finite, n_nonfinite = _finite_input(data, mask)
@@ -343,7 +352,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     lap("output")
     result.info.update(sums.info)
     result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
-                            aggregation=options.aggregation, demean=options.demean,
+                            aggregation=options.aggregation, demean=options.demean, filter=options.filter,
                             noise="given" if options.noise_given else "estimated",
                             n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
                             n_nonfinite_voxels=n_nonfinite, seconds=seconds))
@@ -508,8 +517,16 @@ def choose_device(device: str, shape, options: DenoiseOptions, nprocs=None) -> t
     ``auto`` takes the GPU where it is usable and would finish first, the start of its libraries included
     (``costs``: a small series is done on the CPU before torch is imported); the estimate comes first, so a
     series the CPU wins never imports torch. ``cuda`` raises MPPCAInputError when no GPU can be used; ``auto``
-    then runs on the CPU.
+    then runs on the CPU. A filter other than ``hard`` runs on the CPU only: ``cuda`` raises MPPCAInputError,
+    ``auto`` takes the CPU without probing the GPU.
     """
+    if options.filter != "hard":
+        _check_choice("device", device, DEVICES)
+        if device == "cuda":
+            raise MPPCAInputError(f"device 'cuda' was asked for but the GPU engine runs the 'hard' filter only, "
+                                  f"not {options.filter!r}; use device 'cpu' or 'auto'")
+        return "cpu", (f"auto: the CPU (the GPU engine runs the 'hard' filter only)" if device == "auto"
+                       else None)
     if device != "auto":
         return check_device(device), None
     guess = costs.estimate(shape[:3], shape[3], options.extent, options.stride, nprocs or available_cpus())

@@ -22,7 +22,9 @@ class DenoiseOptions:
 
     ``noise_variance``: None to estimate each patch's noise (``estimator``); else the given noise as a
     variance, one number (sigma^2) or a flat (X*Y*Z,) float64 map of sigma^2 with 0 where a voxel outside
-    the mask had no usable value (``engine.resolve_noise``).
+    the mask had no usable value (``engine.resolve_noise``). ``filter``: what each patch keeps of its
+    components (``estimators.FILTERS``): ``hard`` its P_hat leading ones whole, else the weights of
+    ``estimators.component_weights``.
     """
 
     extent: tuple[int, int, int]
@@ -30,6 +32,7 @@ class DenoiseOptions:
     estimator: str
     aggregation: str
     demean: str
+    filter: str = "hard"
     noise_variance: float | np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property

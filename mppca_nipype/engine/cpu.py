@@ -37,7 +37,8 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from . import lapack
 from .backend import PatchSums, available_cpus
 from .errors import MPPCAWarning
-from .estimators import aggregation_weights, given_noise_threshold, marchenko_pastur_threshold
+from .estimators import (aggregation_weights, component_weights, given_noise_threshold,
+                         marchenko_pastur_threshold)
 from .layout import is_volume_major, rows_of_planes
 
 #: Memory one batch may use for its patch matrices (float64), per process. Small enough that NumPy's
@@ -116,7 +117,8 @@ class WindowFit:
     volume, else None); ``eigenvectors`` (B, m, m) of the Gram on the smaller side (``time_side``: m = T,
     else m = n), ascending, of which only each window's ``rank`` leading ones (its last columns) are
     computed (``lapack.leading_eigenvectors``; the others are 0); ``rank`` and ``sigma2`` (B,); ``voxels``
-    (B, n) flat indices and ``took_part`` (B, n) (finite voxels).
+    (B, n) flat indices and ``took_part`` (B, n) (finite voxels); ``weights`` (B, m): each component's weight
+    (``estimators.component_weights``), or None for the ``hard`` filter (the ``rank`` leading ones whole).
     """
 
     patches: np.ndarray
@@ -127,24 +129,35 @@ class WindowFit:
     sigma2: np.ndarray
     voxels: np.ndarray
     took_part: np.ndarray
+    weights: np.ndarray | None = None
 
     def signal_components(self, windows=slice(None)):
-        """(B, m) mask of the components each window keeps (its ``rank`` leading eigenvectors)."""
+        """(B, m) weight of each component in each window's reconstruction: ``weights``, else the mask of its
+        ``rank`` leading eigenvectors."""
+        if self.weights is not None:
+            return self.weights[windows]
         m = self.eigenvectors.shape[-1]
         return np.arange(m)[None, :] >= (m - self.rank[windows])[:, None]
 
     def reconstruct(self):
-        """X_hat = (X V_P) V_P^T (time side) or U_P (U_P^T X) (voxel side), plus the means: (B, n, T).
+        """X_hat = ((X V_P) diag(w)) V_P^T (time side) or U_P (diag(w) (U_P^T X)) (voxel side), plus the means:
+        (B, n, T); w = 1 for ``hard``.
 
         V_P: the batch's largest rank of leading eigenvectors, which are 0 beyond each window's own rank, so
         that the two thin products give each window its projection (an m x m projector V_P V_P^T would cost
         m / P times as much to form and to apply)."""
         m = self.eigenvectors.shape[-1]
-        leading = self.eigenvectors[:, :, m - int(self.rank.max(initial=0)):]  # (B, m, P)
+        kept = int(self.rank.max(initial=0))
+        leading = self.eigenvectors[:, :, m - kept:]  # (B, m, P)
+        coefficients = np.matmul(self.patches, leading) if self.time_side else np.matmul(
+            leading.transpose(0, 2, 1), self.patches)
+        if self.weights is not None:  # scaled on the P components' side: (B, n, P) or (B, P, T)
+            w = self.weights[:, m - kept:]
+            coefficients *= w[:, None, :] if self.time_side else w[:, :, None]
         if self.time_side:
-            restored = np.matmul(np.matmul(self.patches, leading), leading.transpose(0, 2, 1))
+            restored = np.matmul(coefficients, leading.transpose(0, 2, 1))
         else:
-            restored = np.matmul(leading, np.matmul(leading.transpose(0, 2, 1), self.patches))
+            restored = np.matmul(leading, coefficients)
         if self.means is not None:
             restored += self.means
         return restored
@@ -154,11 +167,11 @@ class WindowFit:
         ``reconstruct`` when only each patch's centre row is wanted."""
         vectors = self.eigenvectors[window]
         keep = self.signal_components(window)
-        if self.time_side:  # x V_P V_P^T: coefficients on the kept components, then back
+        if self.time_side:  # x V_P diag(w) V_P^T: coefficients on the kept components, then back
             row = self.patches[window, position]
             coefficients = np.matmul(row[:, None, :], vectors)[:, 0] * keep
             restored = np.matmul(vectors, coefficients[:, :, None])[:, :, 0]
-        else:  # (U_P U_P^T)[c] X
+        else:  # (U_P diag(w) U_P^T)[c] X
             own = vectors[np.arange(len(window)), position] * keep
             mixing = np.matmul(vectors, own[:, :, None])[:, :, 0]
             restored = np.matmul(mixing[:, None, :], self.patches[window])[:, 0]
@@ -171,7 +184,8 @@ class WindowFit:
 class WindowSpectra:
     """The eigenvalues of a batch of windows and what the threshold made of them: ``forms`` (``lapack``, the
     eigenvalues and what ``leading_eigenvectors`` continues from), ``rank`` and ``sigma2`` (B,), and the
-    centred ``patches``, ``means``, ``time_side``, ``voxels`` and ``took_part`` as in ``WindowFit``."""
+    centred ``patches``, ``means``, ``time_side``, ``voxels``, ``took_part`` and ``weights`` as in
+    ``WindowFit``."""
 
     patches: np.ndarray
     means: np.ndarray | None
@@ -181,6 +195,7 @@ class WindowSpectra:
     sigma2: np.ndarray
     voxels: np.ndarray
     took_part: np.ndarray
+    weights: np.ndarray | None = None
 
 
 def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK) -> WindowFit:
@@ -191,13 +206,14 @@ def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK) -> Windo
     eigenvectors = lapack.leading_eigenvectors(spectra.forms, spectra.rank)
     clock.lap("eigenvectors")
     return WindowFit(spectra.patches, spectra.means, eigenvectors, spectra.time_side, spectra.rank,
-                     spectra.sigma2, spectra.voxels, spectra.took_part)
+                     spectra.sigma2, spectra.voxels, spectra.took_part, spectra.weights)
 
 
 def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK) -> WindowSpectra:
     """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and threshold
     each: Gram matrix, all its eigenvalues (``lapack``), the Marchenko-Pastur rank and noise (or the given
-    noise's rank). No eigenvector is computed."""
+    noise's rank), and for a filter other than ``hard`` each component's weight, the rank then being the number
+    of weights above 0. No eigenvector is computed."""
     base = plan.window_base(windows)
     voxels = base[:, None] + plan.voxel_offsets[None, :]
     patches = volume[voxels].astype(np.float64)  # (B, n, T); left-out voxels are rows of zeros
@@ -231,8 +247,12 @@ def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK) -> Wi
         rank = given_noise_threshold(forms.eigenvalues, n_voxels, n_volumes, sigma2)
     else:
         rank, sigma2 = marchenko_pastur_threshold(forms.eigenvalues, n_voxels, n_volumes, options.estimator)
+    weights = None
+    if options.filter != "hard":  # the noise level as known: the filter's weights decide what is kept
+        weights = component_weights(forms.eigenvalues, n_voxels, n_volumes, sigma2, options.filter)
+        rank = np.count_nonzero(weights, axis=1).astype(np.int64)
     clock.lap("threshold")
-    return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part)
+    return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part, weights)
 
 
 def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:

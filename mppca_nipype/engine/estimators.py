@@ -12,6 +12,8 @@ estimation via matrix recovery under general noise models. NeuroImage 200:391-40
 doi:10.1016/j.neuroimage.2019.06.039
 Gavish M, Donoho DL. The optimal hard threshold for singular values is 4/sqrt(3). IEEE Transactions on
 Information Theory 60(8):5040-5053 (2014). doi:10.1109/TIT.2014.2323359
+Gavish M, Donoho DL. Optimal shrinkage of singular values. IEEE Transactions on Information Theory
+63(4):2137-2152 (2017). doi:10.1109/TIT.2017.2653801
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 ESTIMATORS = ("exp2", "exp1")
 AGGREGATIONS = ("center", "weighted", "uniform")
 DEMEANING = ("none", "voxel", "volume")
+FILTERS = ("hard", "optshrink", "optthresh")
 
 #: NumPy's main namespace implements the array API from 2.1 on (``cumulative_sum`` came last).
 NUMPY_IS_ARRAY_API = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
@@ -182,3 +185,67 @@ def signal_projector(eigenvectors, rank):
     keep = xp.astype(index >= (m - rank)[:, None], eigenvectors.dtype)
     kept = eigenvectors * keep[:, None, :]
     return kept @ xp.matrix_transpose(eigenvectors)
+
+
+def optimal_hard_threshold(beta):
+    """lambda*(beta) of Gavish & Donoho 2014: the optimal hard threshold of singular values for a
+    known noise level, in units of sigma sqrt(q); 4 / sqrt(3) for a square matrix (beta = 1)."""
+    xp = array_namespace(beta)
+    return xp.sqrt(2.0 * (beta + 1.0) + 8.0 * beta / ((beta + 1.0) + xp.sqrt(beta * beta + 14.0 * beta + 1.0)))
+
+
+def component_weights(eigenvalues, n_voxels, n_volumes, sigma2, filter_name: str):
+    """Weight w_i of each component in a patch's reconstruction X V diag(w) V^T, for a filter of the
+    singular values that takes the noise level as known.
+
+    Parameters
+    ----------
+    eigenvalues : (B, m) array, ascending along the last axis
+        As for ``marchenko_pastur_threshold``: only the top ``r = min(n_voxels, n_volumes)`` are used.
+    n_voxels : (B,) integer array
+    n_volumes : int or (B,) integer array
+        The degrees of freedom on each side, as ``marchenko_pastur_threshold`` takes them.
+    sigma2 : (B,) array
+        Each patch's noise variance (estimated or given); 0 keeps every usable component whole.
+    filter_name : {"optshrink", "optthresh"}
+        ``optshrink``: Gavish & Donoho's 2017 optimal shrinker for the Frobenius loss; ``optthresh``: their
+        2014 optimal hard threshold for a known noise level.
+
+    Returns
+    -------
+    weights : (B, m) array
+        eta(y_i) / y_i for the usable components with eta(y_i) > 0, else 0; in [0, 1], 0 or 1 for
+        ``optthresh``. The kept components are the leading ones (eta grows with y).
+
+    Notes
+    -----
+    The singular values of the patch matrix are sqrt(s_i); in units of sigma sqrt(q) (Gavish & Donoho scale
+    the noise by 1 / sqrt(q), q the larger dimension) they are y_i = sqrt(lambda_i / sigma^2), lambda_i = s_i / q,
+    with beta = r / q. ``optshrink``: eta(y) = sqrt((y^2 - beta - 1)^2 - 4 beta) / y for y >= 1 + sqrt(beta),
+    else 0 (GD 2017, the Frobenius loss's shrinker), so w = sqrt((t - beta - 1)^2 - 4 beta) / t with t = y^2. ``optthresh``: w = 1 for
+    y > lambda*(beta) (``optimal_hard_threshold``), else 0.
+    """
+    if filter_name not in FILTERS[1:]:
+        raise ValueError(f"filter must be one of {FILTERS[1:]}, not {filter_name!r}")
+    xp = array_namespace(eigenvalues)
+    dtype = eigenvalues.dtype
+    m = eigenvalues.shape[-1]
+    n_voxels, n_volumes = (_counts_beside(xp, value, eigenvalues) for value in (n_voxels, n_volumes))
+    r = xp.astype(xp.minimum(n_voxels, n_volumes), dtype)
+    q = xp.astype(xp.maximum(n_voxels, n_volumes), dtype)
+    beta = (r / q)[:, None]
+    sigma2 = xp.astype(xp.asarray(sigma2, device=eigenvalues.device), dtype)[:, None]
+    index = xp.astype(xp.arange(m, device=eigenvalues.device), dtype)[None, :]
+    usable = index >= (m - r)[:, None]
+    noiseless = sigma2 <= 0
+    # t = y^2 = lambda / sigma^2 (infinite where no noise was found: every usable component kept whole)
+    t = xp.where(noiseless, xp.full_like(eigenvalues, float("inf")),
+                 xp.clip(eigenvalues, min=0) / q[:, None] / xp.where(noiseless, xp.ones_like(sigma2), sigma2))
+    zeros, ones = xp.zeros_like(eigenvalues), xp.ones_like(eigenvalues)
+    if filter_name == "optthresh":
+        kept = usable & (t > optimal_hard_threshold(beta) ** 2)
+        return xp.where(kept, ones, zeros)
+    kept = usable & (t >= (1.0 + xp.sqrt(beta)) ** 2)
+    finite_t = xp.where(xp.isinf(t) | ~kept, ones, t)
+    shrunk = xp.sqrt(xp.clip((finite_t - beta - 1.0) ** 2 - 4.0 * beta, min=0)) / finite_t
+    return xp.where(kept, xp.where(xp.isinf(t), ones, shrunk), zeros)

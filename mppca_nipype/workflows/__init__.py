@@ -37,9 +37,18 @@ _AGGREGATION_TEXT = {
 }
 
 
+_FILTER_TEXT = {
+    "hard": "only the signal components were kept",
+    "optshrink": ("with that noise level taken as known, the singular values were shrunk by the optimal "
+                  "shrinker for the Frobenius loss (Gavish & Donoho 2017)"),
+    "optthresh": ("with that noise level taken as known, the components above the optimal hard threshold of "
+                  "the singular values (Gavish & Donoho 2014) were kept"),
+}
+
+
 def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise_in=None,
-                 noise_floor="none", coils=1, what="series") -> str:
+                 noise_floor="none", coils=1, what="series", filter=DEFAULTS["filter"]) -> str:  # noqa: A002
     """The methods paragraph for the given parameters (Markdown, with citations). ``noise_in``: None (the
     noise estimated per patch), a number (one given sigma) or "maps" (a given map per series);
     ``noise_floor`` and ``coils`` as for :func:`mppca_nipype.denoise`."""
@@ -81,8 +90,8 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
     return (
         f"The {what} were denoised with Marchenko-Pastur principal component analysis (MP-PCA; "
         f"[@veraart2016]) using mppca-nipype {__version__}. Local patches ({size}) were placed {grid}; "
-        f"for each patch, the eigenvalues of the voxel-by-volume matrix{demeaning} were {split}, and only the "
-        f"signal components were kept; {_AGGREGATION_TEXT[aggregation]}. Maps of {maps} and of the number of "
+        f"for each patch, the eigenvalues of the voxel-by-volume matrix{demeaning} were {split}, and "
+        f"{_FILTER_TEXT[filter]}; {_AGGREGATION_TEXT[aggregation]}. Maps of {maps} and of the number of "
         f"signal components were saved with the denoised data.{floor}\n"
     )
 
@@ -148,19 +157,20 @@ def sbatch_resources(node) -> str:
 
 def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
-                  demean=DEFAULTS["demean"], use_gpu=None, num_threads=1, shape=None, noise_in=None,
-                  gpu_memory=None, noise_floor="none", coils=1):
+                  demean=DEFAULTS["demean"], filter=DEFAULTS["filter"], use_gpu=None,  # noqa: A002
+                  num_threads=1, shape=None, noise_in=None, gpu_memory=None, noise_floor="none", coils=1):
     """MP-PCA denoising of one 4D series.
 
     Parameters
     ----------
     name : str
         The workflow's name.
-    extent, stride, estimator, aggregation, demean
+    extent, stride, estimator, aggregation, demean, filter
         The denoising options (see :func:`mppca_nipype.denoise`).
     use_gpu : bool, optional
         Run on a CUDA GPU when usable (default: when a GPU is usable here and, the shape given, it would
-        finish first, its start included: :func:`gpu_finishes_first`).
+        finish first, its start included: :func:`gpu_finishes_first`; never for a filter other than
+        ``hard``, which the GPU engine does not run).
     num_threads : int
         CPU worker processes for the node, at most (Nipype's MultiProc reserves as many).
     shape : tuple, optional
@@ -198,13 +208,13 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     workflow = pe.Workflow(name=name)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_in,
-                                     noise_floor=noise_floor, coils=coils)
+                                     noise_floor=noise_floor, coils=coils, filter=filter)
     workflow.__postdesc__ = references_text(noise_floor)
     inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in"]), name="inputnode")
     outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "provenance"]),
                          name="outputnode")
     if use_gpu is None:  # where a GPU is usable, and (the shape known) it would finish first
-        use_gpu = gpu_probably_usable() and (shape is None or gpu_finishes_first(shape, extent, stride,
+        use_gpu = filter == "hard" and gpu_probably_usable() and (shape is None or gpu_finishes_first(shape, extent, stride,
                                                                                num_threads))
     use_gpu = bool(use_gpu)
     n_procs, mem_gb = num_threads, None
@@ -213,7 +223,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
                                          stride=stride)
     denoise = pe.Node(
         MPPCADenoise(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
-                     demean=demean, noise_floor=noise_floor, coils=coils, use_gpu=use_gpu, num_threads=n_procs,
+                     demean=demean, filter=filter, noise_floor=noise_floor, coils=coils, use_gpu=use_gpu, num_threads=n_procs,
                      **({} if gpu_memory is None else {"gpu_memory": str(gpu_memory)})),
         name="denoise", n_procs=n_procs, **({} if mem_gb is None else {"mem_gb": mem_gb}))
     sidecar = pe.Node(_MetadataSidecar(), name="sidecar", run_without_submitting=True)
@@ -229,8 +239,9 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
 
 def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEFAULTS["extent"],
                  stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
-                 aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], use_gpu=None,
-                 num_threads=1, reports=True, noise_in=None, gpu_memory=None, noise_floor="none", coils=1):
+                 aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
+                 use_gpu=None, num_threads=1, reports=True, noise_in=None, gpu_memory=None, noise_floor="none",
+                 coils=1):
     """Denoise the given BIDS runs and write them as derivatives of ``bids_dir`` into ``output_dir``.
 
     Parameters
@@ -265,11 +276,11 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     noise_kind = "maps" if noise_maps else noise_in
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_kind,
-                                     noise_floor=noise_floor, coils=coils, what=what)
+                                     noise_floor=noise_floor, coils=coils, what=what, filter=filter)
     workflow.__postdesc__ = references_text(noise_floor)
     for run in todo:
         run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
-                               estimator=estimator, aggregation=aggregation, demean=demean,
+                               estimator=estimator, aggregation=aggregation, demean=demean, filter=filter,
                                use_gpu=use_gpu, num_threads=num_threads, shape=_series_shape(run.path),
                                noise_in=noise_kind, gpu_memory=gpu_memory, noise_floor=noise_floor,
                                coils=coils)
