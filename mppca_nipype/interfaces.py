@@ -128,9 +128,7 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=Non
         notes.extend(str(w.message) for w in caught if issubclass(w.category, MPPCAWarning))
         return result
 
-    if use_gpu and parameters.get("filter", "hard") != "hard":
-        placement["CPUFallback"] = f"the GPU engine runs the 'hard' filter only, not {parameters['filter']!r}"
-    elif use_gpu:
+    if use_gpu:
         try:
             check_device("cuda")
         except MPPCAInputError as err:
@@ -182,8 +180,7 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
     filter = traits.Enum(*default_first("filter", FILTERS), usedefault=True,  # noqa: A003
                          desc="what each patch keeps of its components: 'hard' its P leading ones whole "
                               "(MP-PCA), 'optshrink' Gavish & Donoho's optimal shrinkage of the singular "
-                              "values (Frobenius loss, 2017), 'optthresh' their optimal hard threshold (2014); "
-                              "the GPU engine runs 'hard' only (the others run on the CPU)")
+                              "values (Frobenius loss, 2017), 'optthresh' their optimal hard threshold (2014)")
     noise_in = traits.Either(
         traits.Float, File(exists=True),
         desc="a given noise level (standard deviation) instead of each patch's MP-PCA estimate: one positive "

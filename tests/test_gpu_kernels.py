@@ -1284,3 +1284,55 @@ def test_the_threshold_kernel_decides_as_the_estimator_and_the_settling_test(est
     assert (unsettled == expected).all() and 0 < int(expected.sum()) < count
     assert not threshold_on_device(values, voxels, m - 1, estimator, torch.zeros(count))[2].any()
     assert threshold_on_device(values, voxels, m - 1, estimator)[2] is None
+
+
+@interpreted
+@pytest.mark.parametrize("path, aggregation, stride, demean, eigensolver, noise", [
+    ("fused", "weighted", 2, "volume", "tridiagonal", None), ("box", "weighted", 2, "voxel", "tridiagonal", 4.0),
+    ("gather", "uniform", 3, "voxel", "xsyev", None), ("fused", "center", 1, "none", "auto", 4.0),
+    ("gather", "weighted", 2, "none", "tridiagonal", None)])
+@pytest.mark.parametrize("filter_name", ["optshrink", "optthresh"])
+def test_the_filters_give_the_cpus_denoising(kernels, path, aggregation, stride, demean, eigensolver, noise,
+                                            filter_name):
+    """``filter`` optshrink and optthresh: every path and eigensolver weights each window's components as the
+    CPU backend does (the projector V diag(w) V^T), with a mask and non-finite voxels where the path takes
+    them, the noise level estimated or given."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=19)
+    mask = np.ones(noisy.shape[:3], bool)
+    if path != "box":  # (the box sums take every voxel finite)
+        mask[0, :2] = False
+        noisy[4, 3, 1, 5] = np.nan
+    data, mask, finite, plan, options = prepared(noisy, mask, extent=3, stride=stride, estimator="exp2",
+                                                 aggregation=aggregation, demean=demean, noise=noise,
+                                                 filter=filter_name)
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    gpu = denoise_gpu(data, finite, plan, options, device="cpu", path=path, eigensolver=eigensolver)
+    assert gpu.info["gram_path"] == path
+    assert_same_denoising(cpu, gpu, mask)
+    if filter_name == "optshrink":  # (optthresh keeps the same strong components as hard here)
+        hard = denoise_cpu(data, finite, plan, dataclasses.replace(options, filter="hard"), nprocs=1)
+        served = (cpu.weight > 0) & mask.ravel()
+        assert np.sqrt(np.mean((per_voxel(gpu, served)[0] - per_voxel(hard, served)[0]) ** 2)) > 1e-3
+
+
+@interpreted
+@pytest.mark.parametrize("eigensolver", ["tridiagonal", "xsyev"])
+def test_weighted_projectors_are_v_diag_w_v_transposed(kernels, eigensolver):
+    from mppca_nipype.engine.gpu.tridiagonal import TridiagonalEigh
+
+    rng = np.random.default_rng(23)
+    m, batch = 13, 6
+    a = rng.standard_normal((batch, m, m))
+    matrices = a @ a.transpose(0, 2, 1)
+    ranks = np.array([0, 1, 3, 5, 13, 2])
+    weights = np.zeros((batch, m))
+    for b, rank in enumerate(ranks):
+        weights[b, m - rank:] = rng.uniform(0.1, 1.0, size=rank)
+    solver = TridiagonalEigh("cpu") if eigensolver == "tridiagonal" else BatchedEigh("cpu")
+    solver.values(torch.from_numpy(matrices.copy()))
+    projector = solver.projector(torch.from_numpy(ranks), torch.from_numpy(weights)).double().numpy()
+    _, vectors = np.linalg.eigh(matrices)
+    want = (vectors * weights[:, None, :]) @ vectors.transpose(0, 2, 1)
+    np.testing.assert_allclose(projector, want, rtol=0, atol=1e-8)

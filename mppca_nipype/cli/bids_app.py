@@ -417,11 +417,7 @@ def run(args) -> int:
             say(f"{PROG}: warning: BIDS_DIR was not validated: {why_not}")
 
     use_gpu = False
-    if args.filter != "hard":  # the CPU engine runs the other filters
-        if args.device == "cuda":
-            raise AppError(f"--device cuda was asked for but the GPU engine runs the 'hard' filter only, not "
-                           f"{args.filter!r}; use --device cpu or auto", EXIT["failure"])
-    elif args.device == "cuda":
+    if args.device == "cuda":
         try:
             check_cuda()
         except MPPCAInputError as err:

@@ -294,8 +294,8 @@ def add_filter_option(parser) -> None:
                         help="what each patch keeps of its components, the noise level taken as known: hard, "
                              "its P leading components whole (MP-PCA, dwidenoise); optshrink, Gavish & "
                              "Donoho's optimal shrinkage of the singular values (Frobenius loss, 2017); "
-                             "optthresh, their optimal hard threshold (2014); the GPU engine runs hard only "
-                             "(docs/options.md) (default: %(default)s)")
+                             "optthresh, their optimal hard threshold (2014) (docs/options.md) "
+                             "(default: %(default)s)")
 
 
 def add_noise_floor_options(parser) -> None:

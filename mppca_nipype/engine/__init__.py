@@ -268,7 +268,6 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         the noise edge, its singular value shrunk by Gavish & Donoho's optimal shrinker for the Frobenius loss
         (2017); ``optthresh``, the components above their optimal hard threshold (2014), whole
         (``estimators.component_weights``; docs/options.md, "Filters"). ``rank`` counts the components kept.
-        The GPU engine runs ``hard`` only: ``auto`` runs the others on the CPU.
     noise : positive number or (X, Y, Z) array, optional
         A given noise level (standard deviation) that replaces the per-patch estimate: one number, or a map
         of sigma on the input's grid (each patch takes the mean of sigma^2 over its finite voxels; inside the
@@ -517,16 +516,8 @@ def choose_device(device: str, shape, options: DenoiseOptions, nprocs=None) -> t
     ``auto`` takes the GPU where it is usable and would finish first, the start of its libraries included
     (``costs``: a small series is done on the CPU before torch is imported); the estimate comes first, so a
     series the CPU wins never imports torch. ``cuda`` raises MPPCAInputError when no GPU can be used; ``auto``
-    then runs on the CPU. A filter other than ``hard`` runs on the CPU only: ``cuda`` raises MPPCAInputError,
-    ``auto`` takes the CPU without probing the GPU.
+    then runs on the CPU.
     """
-    if options.filter != "hard":
-        _check_choice("device", device, DEVICES)
-        if device == "cuda":
-            raise MPPCAInputError(f"device 'cuda' was asked for but the GPU engine runs the 'hard' filter only, "
-                                  f"not {options.filter!r}; use device 'cpu' or 'auto'")
-        return "cpu", (f"auto: the CPU (the GPU engine runs the 'hard' filter only)" if device == "auto"
-                       else None)
     if device != "auto":
         return check_device(device), None
     guess = costs.estimate(shape[:3], shape[3], options.extent, options.stride, nprocs or available_cpus())

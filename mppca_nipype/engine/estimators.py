@@ -174,15 +174,20 @@ def aggregation_weights(rank, demeaned: bool, aggregation: str):
     return ones
 
 
-def signal_projector(eigenvectors, rank):
-    """V_P V_P^T: the projector onto the ``rank`` leading eigenvectors of each patch.
+def signal_projector(eigenvectors, rank, weights=None):
+    """V_P V_P^T: the projector onto the ``rank`` leading eigenvectors of each patch; with ``weights``,
+    V diag(w) V^T.
 
-    ``eigenvectors`` is (B, m, m) with eigenvectors as columns in ascending eigenvalue order.
+    ``eigenvectors`` is (B, m, m) with eigenvectors as columns in ascending eigenvalue order; ``weights``
+    (B, m) in the same order (``component_weights``; 0 beyond each patch's ``rank`` leading ones).
     """
     xp = array_namespace(eigenvectors)
     m = eigenvectors.shape[-1]
-    index = xp.arange(m, device=eigenvectors.device)[None, :]
-    keep = xp.astype(index >= (m - rank)[:, None], eigenvectors.dtype)
+    if weights is not None:
+        keep = xp.astype(weights, eigenvectors.dtype)
+    else:
+        index = xp.arange(m, device=eigenvectors.device)[None, :]
+        keep = xp.astype(index >= (m - rank)[:, None], eigenvectors.dtype)
     kept = eigenvectors * keep[:, None, :]
     return kept @ xp.matrix_transpose(eigenvectors)
 

@@ -169,8 +169,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         The denoising options (see :func:`mppca_nipype.denoise`).
     use_gpu : bool, optional
         Run on a CUDA GPU when usable (default: when a GPU is usable here and, the shape given, it would
-        finish first, its start included: :func:`gpu_finishes_first`; never for a filter other than
-        ``hard``, which the GPU engine does not run).
+        finish first, its start included: :func:`gpu_finishes_first`).
     num_threads : int
         CPU worker processes for the node, at most (Nipype's MultiProc reserves as many).
     shape : tuple, optional
@@ -214,7 +213,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "provenance"]),
                          name="outputnode")
     if use_gpu is None:  # where a GPU is usable, and (the shape known) it would finish first
-        use_gpu = filter == "hard" and gpu_probably_usable() and (shape is None or gpu_finishes_first(shape, extent, stride,
+        use_gpu = gpu_probably_usable() and (shape is None or gpu_finishes_first(shape, extent, stride,
                                                                                num_threads))
     use_gpu = bool(use_gpu)
     n_procs, mem_gb = num_threads, None

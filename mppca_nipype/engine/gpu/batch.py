@@ -11,7 +11,8 @@ box reconstructs them. ``SlabWindows.batch`` runs a batch with no host synchroni
    the spectrum on long series (``refine``); ``info`` stays on the device.
 3. The threshold and, in a float32 pass, the settling verdicts (``threshold``): an unsettled window gets
    weight 0 here and is redone by the settling pass (``settling``).
-4. The projector onto the kept eigenvectors, the window's weight (``aggregation_weights`` times its
+4. The projector onto the kept eigenvectors (weighted by the filter's ``component_weights`` for a filter
+   other than ``hard``), the window's weight (``aggregation_weights`` times its
    multiplicity), and the reconstruction: into the box (first pass), by the fused kernels
    (``reconstruction``), or gathered (torch), added into the slab's sums (``sums.SlabSums``), or for
    ``center`` each centre row written to its voxel.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..estimators import aggregation_weights
+from ..estimators import aggregation_weights, component_weights
 from . import reconstruction, threshold
 from .gram import gather_gram, gram
 from .threshold import rounding_uncertainty, threshold_on_device, unresolved_projectors
@@ -152,20 +153,24 @@ class SlabWindows:
         patch_rank, sigma2, unsettled = threshold_on_device(values, usable_voxels, usable_volumes,
                                                             run.options.estimator, delta,
                                                             self._given_variance(selection, len(values)))
+        weights = None
+        if run.options.filter != "hard":  # the noise level as known: the filter's weights decide what is kept
+            weights = component_weights(values, usable_voxels, usable_volumes, sigma2, run.options.filter)
+            patch_rank = (weights > 0).sum(dim=1)
         keep = info == 0
         if selection.asked is not None:  # the places past the count hold no window (their numbers are unwritten)
             keep &= selection.asked
         if settle:
             if refine:
                 unsettled |= patch_rank >= refine - threshold.REFINE_GUARD
-            if rank_one or run.noise_variance is not None:
+            if rank_one or run.noise_variance is not None or weights is not None:
                 # (a given level may cut inside the noise bulk, where float32 mixes the eigenvectors on both
                 # sides of the cut: such windows are redone in float64)
                 unsettled |= unresolved_projectors(values, patch_rank,
                                                    values[:, -1].clamp(min=0) if scale is None else scale)
             keep &= ~unsettled
             self._record_verdicts()
-        projector = run.solver.projector(patch_rank)
+        projector = run.solver.projector(patch_rank, weights)
         if run.center:
             patch_weight = keep.to(torch.float32)
         else:  # where, not a product: a place left unwritten may hold any number

@@ -50,15 +50,15 @@ def _load_cusolver():
 class ProjectorFromVectors:
     """The pipeline's two-step interface for a solver that returns all eigenvectors at once:
     ``values, info = solver.values(matrices)``, then ``solver.projector(rank)`` (B, m, m) onto the ``rank``
-    leading eigenvectors of those matrices; in between, optionally, ``solver.refine`` (float64 eigenvalues
+    leading eigenvectors of those matrices (``projector(rank, weights)``: V diag(w) V^T); in between, optionally, ``solver.refine`` (float64 eigenvalues
     at both ends of the spectrum, and Ritz vectors for the projector)."""
 
     def values(self, matrices):
         values, self._vectors, info = self(matrices)
         return values, info
 
-    def projector(self, rank):
-        return signal_projector(self._vectors, rank)
+    def projector(self, rank, weights=None):
+        return signal_projector(self._vectors, rank, weights)
 
     def refine(self, matrices, block):
         """The eigenvalues of ``matrices`` (the matrices ``values`` saw, in float64) where the MP estimator

@@ -325,12 +325,14 @@ def _orthonormal_columns(y, keep, rank, lanes, tiny, LANES: tl.constexpr):
 
 @triton.jit
 def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, projector_ptr, direction_ptr,
-                      count_ptr, m: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr, FP64: tl.constexpr,
-                      SOLVES: tl.constexpr, RANK_ONE: tl.constexpr, LOWEST_RANK: tl.constexpr,
-                      HIGHEST_RANK: tl.constexpr, COUNTED: tl.constexpr, APPROXIMATE: tl.constexpr = False):
+                      count_ptr, weights_ptr, m: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr,
+                      FP64: tl.constexpr, SOLVES: tl.constexpr, RANK_ONE: tl.constexpr, LOWEST_RANK: tl.constexpr,
+                      HIGHEST_RANK: tl.constexpr, COUNTED: tl.constexpr, WEIGHTED: tl.constexpr = False,
+                      APPROXIMATE: tl.constexpr = False):
     """The projector of every matrix whose rank lies in [LOWEST_RANK, HIGHEST_RANK] (the others are left to
     another launch): lane j solves for eigenvalue m - LANES + j, so LANES >= HIGHEST_RANK lanes serve the
-    top ranks (LANES = BLOCK serves every rank)."""
+    top ranks (LANES = BLOCK serves every rank). WEIGHTED: V diag(w) V^T, w (B, m) ascending at
+    ``weights_ptr``."""
     matrix = tl.program_id(0).to(tl.int64)
     if COUNTED:
         if matrix >= tl.load(count_ptr):
@@ -384,7 +386,11 @@ def _projector_kernel(a_ptr, d_ptr, e_ptr, values_ptr, rank_ptr, work_ptr, proje
             if RANK_ONE:  # and through H_w, the first reflector
                 u = tl.load(direction_ptr + matrix * m + rows, mask=rows < m, other=0.0).to(dtype)
                 y = y - u[:, None] * tl.sum(u[:, None] * y, axis=0)[None, :]
-            projector = tl.dot(y, tl.trans(y), input_precision="ieee", out_dtype=dtype)
+            weighted = y
+            if WEIGHTED:  # each kept eigenvector's column scaled by its weight
+                w = tl.load(weights_ptr + matrix * m + index, mask=keep, other=0.0).to(dtype)
+                weighted = y * w[None, :]
+            projector = tl.dot(weighted, tl.trans(y), input_precision="ieee", out_dtype=dtype)
             tl.store(out, projector.to(projector_ptr.dtype.element_ty), mask=(r < m) & (c < m))
 
 
@@ -453,22 +459,27 @@ class TridiagonalEigh:
         self._state = (matrices, d, e, values, direction if rank_one is not None else None, count)
         return values, torch.zeros(batch, dtype=torch.int32, device=matrices.device)
 
-    def projector(self, rank):
-        """(B, m, m) projectors onto the ``rank`` leading eigenvectors of the matrices ``values`` saw last."""
+    def projector(self, rank, weights=None):
+        """(B, m, m) projectors onto the ``rank`` leading eigenvectors of the matrices ``values`` saw last;
+        with ``weights`` (B, m) ascending, V diag(w) V^T over them."""
         matrices, d, e, values, direction, count = self._state
         batch, m = values.shape
         out = torch.empty((batch, m, m), dtype=matrices.dtype, device=matrices.device)
         work = torch.empty((batch, 2 * m, _block(m)), dtype=matrices.dtype, device=matrices.device)
         rank = rank.to(torch.int32).contiguous()
+        if weights is not None:
+            weights = weights.to(matrices.dtype).contiguous()
         # (lanes, lowest rank, highest rank) of each launch; each matrix is served by one of them
         launches = ([(PROJECTOR_LANES, 0, PROJECTOR_LANES), (_block(m), PROJECTOR_LANES + 1, m)]
                     if PROJECTOR_LANES < _block(m) else [(_block(m), 0, m)])
         for launch_lanes, lowest, highest in launches if batch else ():
             _projector_kernel[(batch,)](matrices, d, e, values, rank, work, out,
-                                        d if direction is None else direction, d if count is None else count, m,
+                                        d if direction is None else direction, d if count is None else count,
+                                        d if weights is None else weights, m,
                                         BLOCK=_block(m), LANES=launch_lanes, FP64=matrices.dtype == torch.float64,
                                         SOLVES=INVERSE_ITERATIONS, RANK_ONE=direction is not None,
                                         LOWEST_RANK=lowest, HIGHEST_RANK=highest, COUNTED=count is not None,
+                                        WEIGHTED=weights is not None,
                                         APPROXIMATE=_approximate(),
                                         num_warps=_warps(m, matrices.dtype))
         return out
