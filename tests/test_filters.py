@@ -209,3 +209,23 @@ def test_the_interface_passes_filter_and_the_provenance_records_it(tmp_path):
     expected = denoise(nib.load(series).get_fdata(dtype=np.float32), filter="optthresh", device="cpu", nprocs=1)
     np.testing.assert_allclose(nib.load(result.outputs.out_file).get_fdata(), expected.denoised, rtol=0,
                                atol=1e-3)
+
+
+def test_the_methods_text_names_the_filter_and_cites_its_paper():
+    from mppca_nipype.workflows import init_mppca_wf
+
+    shrunk = init_mppca_wf(filter="optshrink", use_gpu=False)
+    assert "optimal shrinker for the Frobenius loss" in shrunk.__desc__
+    assert "10.1109/TIT.2017.2653801" in shrunk.__postdesc__
+    hard = init_mppca_wf(use_gpu=False)
+    assert "only the signal components were kept" in hard.__desc__ and "Gavish" not in hard.__postdesc__
+
+
+def test_mppca_nipype_takes_filter_and_hands_it_to_every_run(tmp_path):
+    from mppca_nipype.cli.bids_app import AppError, build_parser
+
+    args = build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant", "--filter", "optthresh"])
+    assert args.filter == "optthresh"
+    assert build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant"]).filter == "hard"
+    with pytest.raises(AppError, match="--filter: invalid choice: 'soft'"):
+        build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant", "--filter", "soft"])

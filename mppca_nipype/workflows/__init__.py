@@ -29,6 +29,18 @@ NOISE_FLOOR_REFERENCES = """\
   2011:1809-1814. doi:10.1109/ISBI.2011.5872758
 """
 
+#: Cited when a filter other than ``hard`` is used.
+FILTER_REFERENCES = {
+    "optshrink": """\
+- Gavish M, Donoho DL (2017). Optimal shrinkage of singular values. IEEE Trans Inf Theory 63(4):2137-2152.
+  doi:10.1109/TIT.2017.2653801
+""",
+    "optthresh": """\
+- Gavish M, Donoho DL (2014). The optimal hard threshold for singular values is 4/sqrt(3). IEEE Trans Inf
+  Theory 60(8):5040-5053. doi:10.1109/TIT.2014.2323359
+""",
+}
+
 _AGGREGATION_TEXT = {
     "center": "each voxel took the value reconstructed in the patch centred on it",
     "weighted": "overlapping reconstructions were averaged with weights 1/(1 + P) (P: the patch's rank, "
@@ -208,7 +220,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_in,
                                      noise_floor=noise_floor, coils=coils, filter=filter)
-    workflow.__postdesc__ = references_text(noise_floor)
+    workflow.__postdesc__ = references_text(noise_floor, filter)
     inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in"]), name="inputnode")
     outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "provenance"]),
                          name="outputnode")
@@ -276,7 +288,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_kind,
                                      noise_floor=noise_floor, coils=coils, what=what, filter=filter)
-    workflow.__postdesc__ = references_text(noise_floor)
+    workflow.__postdesc__ = references_text(noise_floor, filter)
     for run in todo:
         run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
                                estimator=estimator, aggregation=aggregation, demean=demean, filter=filter,
@@ -321,9 +333,10 @@ def _series_shape(path):
     return tuple(shape) if len(shape) == 4 else None
 
 
-def references_text(noise_floor="none") -> str:
+def references_text(noise_floor="none", filter="hard") -> str:  # noqa: A002
     """The references section of a workflow's methods text."""
-    return "\n### References\n\n" + REFERENCES + (NOISE_FLOOR_REFERENCES if noise_floor != "none" else "")
+    return ("\n### References\n\n" + REFERENCES + (NOISE_FLOOR_REFERENCES if noise_floor != "none" else "")
+            + FILTER_REFERENCES.get(filter, ""))
 
 
 def citation_text(workflow) -> str:
