@@ -268,7 +268,7 @@ def warm_up(args, parser) -> None:
     if args.device == "cpu":
         parser.error("--warm-up compiles the GPU engine's kernels and cannot run with --device cpu")
     options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
-                   aggregation=args.aggregation, demean=args.demean)
+                   aggregation=args.aggregation, demean=args.demean, filter=args.filter)
     for n_volumes in args.warm_up:
         try:
             with warnings.catch_warnings():
