@@ -189,3 +189,11 @@ def test_the_mppca_phase_method_denoises_first_and_lowers_the_whole_image_error(
 def test_an_unknown_phase_method_fails_with_one_sentence():
     with pytest.raises(MPPCAInputError, match="phase_method must be one of hann, mppca, not 'apc'"):
         denoise_complex(np.ones((4, 4, 4, 5)), np.zeros((4, 4, 4, 5)), phase_method="apc")
+
+
+def test_the_filter_reaches_the_real_parts_denoising():
+    magnitude, phase, _, _, _, _ = complex_dwi_phantom(SHAPE, VOLUMES, sigma=100.0)
+    hard = denoise_complex(magnitude, phase, device="cpu", nprocs=1)
+    shrunk = denoise_complex(magnitude, phase, device="cpu", nprocs=1, filter="optshrink")
+    assert shrunk.info["filter"] == "optshrink" and hard.info["filter"] == "hard"
+    assert not np.array_equal(shrunk.denoised, hard.denoised)

@@ -145,7 +145,7 @@ def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES):
 
 def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_width=PHASE_WIDTH,
                     phase_passes=PHASE_PASSES, magnitude_out="clip", extent=None, stride=None, estimator=None,
-                    aggregation=None, demean=None,
+                    aggregation=None, demean=None, filter=None,  # noqa: A002
                     noise=None, device="auto", nprocs=None, gpu_memory=None, progress=None):
     """MP-PCA of complex data: the background phase removed, the real part denoised, the phase put back.
 
@@ -184,7 +184,7 @@ def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_w
 
     options = {name: DEFAULTS[name] if value is None else value
                for name, value in dict(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
-                                       demean=demean).items()}
+                                       demean=demean, filter=filter).items()}
 
     seconds, last = {}, time.perf_counter()
 
