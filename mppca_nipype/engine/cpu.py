@@ -353,21 +353,34 @@ def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pen
         stop = min(start + step, unit.stop)
         fit = fit_windows(volume, finite, plan, options, slice(start, stop), clock)
         restored = fit.reconstruct()
-        w = aggregation_weights(fit.rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
-        voxel_weight = w[:, None] * fit.took_part  # (B, n): left-out voxels receive nothing
+        voxel_weight = window_voxel_weights(fit, options, plan, start, stop)
         restored *= voxel_weight[:, :, None]
         clock.lap("reconstruction")
         # each window adds its block into the slab: one slice per window, windows in plan order
         block = (ex, ey, ez, n_volumes)
         for b, (_, y0, z0) in enumerate(plan.window_corner[start:stop]):
             slab[:, y0:y0 + ey, z0:z0 + ez] += restored[b].reshape(block)
-        flat = (fit.voxels - slab_start).ravel()
-        weight += np.bincount(flat, voxel_weight.ravel(), slab_voxels)
-        sigma += np.bincount(flat, (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), slab_voxels)
-        rank += np.bincount(flat, (voxel_weight * fit.rank[:, None]).ravel(), slab_voxels)
+        add_window_maps((weight, sigma, rank), fit, voxel_weight, slab_start)
         clock.lap("accumulation")
 
     deposit(unit, plan, sums, (image, weight, sigma, rank), turns, clock, pending)
+
+
+def window_voxel_weights(windows, options, plan, start, stop):
+    """(B, n): each voxel's weight in the aggregation of windows ``start:stop`` (``WindowFit`` or
+    ``WindowSpectra``): the window's aggregation weight times its multiplicity; voxels left out get none."""
+    w = aggregation_weights(windows.rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
+    return w[:, None] * windows.took_part
+
+
+def add_window_maps(maps, windows, voxel_weight, slab_start):
+    """Add the windows' weighted sums of weight, noise (sigma) and rank into a slab's ``maps`` (three flat
+    arrays over the slab's voxels, from row ``slab_start``)."""
+    weight, sigma, rank = maps
+    flat = (windows.voxels - slab_start).ravel()
+    weight += np.bincount(flat, voxel_weight.ravel(), len(weight))
+    sigma += np.bincount(flat, (voxel_weight * np.sqrt(windows.sigma2)[:, None]).ravel(), len(sigma))
+    rank += np.bincount(flat, (voxel_weight * windows.rank[:, None]).ravel(), len(rank))
 
 
 def deposit(unit, plan, sums, slab, turns, clock, pending):

@@ -134,20 +134,26 @@ def given_noise_threshold(eigenvalues, n_voxels, n_volumes, sigma2):
     """
     xp = array_namespace(eigenvalues)
     dtype = eigenvalues.dtype
-    m = eigenvalues.shape[-1]
-    n_voxels, n_volumes = (_counts_beside(xp, value, eigenvalues) for value in (n_voxels, n_volumes))
-    r = xp.astype(xp.minimum(n_voxels, n_volumes), dtype)
-    q = xp.astype(xp.maximum(n_voxels, n_volumes), dtype)
+    r, q, usable = _usable_components(xp, eigenvalues, n_voxels, n_volumes)
     if isinstance(sigma2, numbers.Real):
         sigma2 = xp.full(r.shape, float(sigma2), dtype=dtype, device=eigenvalues.device)
     else:
         sigma2 = xp.astype(xp.asarray(sigma2, device=eigenvalues.device), dtype)
     edge = sigma2 * (1.0 + xp.sqrt(r / q)) ** 2
-    index = xp.astype(xp.arange(m, device=eigenvalues.device), dtype)[None, :]
-    usable = index >= (m - r)[:, None]
     lam = xp.clip(eigenvalues, min=0) / q[:, None]
     signal = usable & (lam > edge[:, None])
     return xp.astype(xp.sum(xp.astype(signal, xp.int64), axis=1), xp.int64)
+
+
+def _usable_components(xp, eigenvalues, n_voxels, n_volumes):
+    """(r, q, usable) of each patch: r = min(n, T) and q = max(n, T) in the eigenvalues' dtype (B,), and
+    (B, m) whether each eigenvalue is one of the top r (the rest are null directions)."""
+    m = eigenvalues.shape[-1]
+    n_voxels, n_volumes = (_counts_beside(xp, value, eigenvalues) for value in (n_voxels, n_volumes))
+    r = xp.astype(xp.minimum(n_voxels, n_volumes), eigenvalues.dtype)
+    q = xp.astype(xp.maximum(n_voxels, n_volumes), eigenvalues.dtype)
+    index = xp.astype(xp.arange(m, device=eigenvalues.device), eigenvalues.dtype)[None, :]
+    return r, q, index >= (m - r)[:, None]
 
 
 def _counts_beside(xp, counts, eigenvalues):
@@ -234,14 +240,9 @@ def component_weights(eigenvalues, n_voxels, n_volumes, sigma2, filter_name: str
         raise ValueError(f"filter must be one of {FILTERS[1:]}, not {filter_name!r}")
     xp = array_namespace(eigenvalues)
     dtype = eigenvalues.dtype
-    m = eigenvalues.shape[-1]
-    n_voxels, n_volumes = (_counts_beside(xp, value, eigenvalues) for value in (n_voxels, n_volumes))
-    r = xp.astype(xp.minimum(n_voxels, n_volumes), dtype)
-    q = xp.astype(xp.maximum(n_voxels, n_volumes), dtype)
+    r, q, usable = _usable_components(xp, eigenvalues, n_voxels, n_volumes)
     beta = (r / q)[:, None]
     sigma2 = xp.astype(xp.asarray(sigma2, device=eigenvalues.device), dtype)[:, None]
-    index = xp.astype(xp.arange(m, device=eigenvalues.device), dtype)[None, :]
-    usable = index >= (m - r)[:, None]
     noiseless = sigma2 <= 0
     # t = y^2 = lambda / sigma^2 (infinite where no noise was found: every usable component kept whole)
     t = xp.where(noiseless, xp.full_like(eigenvalues, float("inf")),

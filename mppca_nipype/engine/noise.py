@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import PatchSums
-from .cpu import NO_CLOCK, batch_size, deposit, run_units, slab_turns, window_spectra
-from .estimators import aggregation_weights
+from .cpu import (NO_CLOCK, add_window_maps, batch_size, deposit, run_units, slab_turns, window_spectra,
+                  window_voxel_weights)
 
 
 def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK):
@@ -43,13 +43,8 @@ def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK)
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
             spectra = window_spectra(volume, finite, plan, options, slice(start, stop), clock)
-            w = (aggregation_weights(spectra.rank, options.demeaned, options.aggregation)
-                 * plan.multiplicity[start:stop])
-            voxel_weight = w[:, None] * spectra.took_part  # (B, n): left-out voxels receive nothing
-            flat = (spectra.voxels - slab_start).ravel()
-            weight += np.bincount(flat, voxel_weight.ravel(), slab_voxels)
-            sigma += np.bincount(flat, (voxel_weight * np.sqrt(spectra.sigma2)[:, None]).ravel(), slab_voxels)
-            rank += np.bincount(flat, (voxel_weight * spectra.rank[:, None]).ravel(), slab_voxels)
+            voxel_weight = window_voxel_weights(spectra, options, plan, start, stop)
+            add_window_maps((weight, sigma, rank), spectra, voxel_weight, slab_start)
         deposit(unit, plan, sums, (None, weight, sigma, rank), turns, clock, pending)
 
 
