@@ -421,7 +421,7 @@ def write_images(images: dict, reference, staged: dict, outputs: dict) -> None:
             raise MPPCAInputError(f"cannot write the {outputs[path]} {path}: {err.strerror or err}") from None
 
 
-def inside_voxels(shape, mask, data, info) -> "np.ndarray":
+def inside_voxels(shape, mask, data, info):
     """The voxels a run computed: the mask (all without one) less those whose series is not finite."""
     import numpy as np
 
