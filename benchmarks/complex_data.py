@@ -35,10 +35,9 @@ import harness  # noqa: E402
 from mppca_nipype import denoise, denoise_complex  # noqa: E402
 from mppca_nipype.engine.complex_data import PHASE_PASSES, PHASE_WIDTH  # noqa: E402
 from mppca_nipype.phantoms import complex_dwi_phantom  # noqa: E402
-from noise_floor import scores  # noqa: E402
-
-SHAPE, VOLUMES, SNRS = (32, 32, 24), 32, (2, 5, 10, 20)
-QUICK_SHAPE, QUICK_VOLUMES, QUICK_SNRS = (16, 16, 12), 20, (5,)
+# the noise floor's phantom sizes and SNRs, so that the two tables compare
+from noise_floor import (QUICK_SHAPE, QUICK_SNRS, QUICK_VOLUMES, SHAPE, SNRS, VOLUMES, fmt,  # noqa: E402
+                         scores)
 #: Hann filters compared with ``--widths``: (width, passes).
 FILTERS = ((0.25, 1), (0.25, 2), (0.25, 3), (0.375, 1), (0.375, 2), (0.375, 3), (0.5, 1), (0.5, 2))
 
@@ -74,10 +73,6 @@ def bench(args) -> list[dict]:
         rows.append(dict(snr=snr, sigma=sigma, method="input magnitude (no denoising)", seconds=None,
                          **scores(magnitude, truth, sigma)))
     return rows
-
-
-def fmt(value, spec):
-    return "" if value is None else format(value, spec)
 
 
 def markdown(result) -> str:
