@@ -587,3 +587,46 @@ def test_a_slab_that_runs_out_of_memory_is_redone_thinner_on_the_device(monkeypa
     rms = np.sqrt(np.mean((thinner.denoised.astype(np.float64) - whole.denoised) ** 2)
                   / np.mean(whole.denoised.astype(np.float64) ** 2))
     assert rms <= 1e-6
+
+
+@pytest.mark.parametrize("options", [dict(filter="optshrink"), dict(filter="optthresh"),
+                                     dict(filter="optshrink", extent=5, stride=1, aggregation="center",
+                                          demean="none")])
+def test_the_filters_match_cpu(options):
+    """Optimal shrinkage and the optimal hard threshold on the GPU: the CPU's series and ranks."""
+    noisy, _ = low_rank_phantom((40, 36, 24), n_volumes=48, rank=5, sigma=5.0, seed=27)
+    noisy[10, 11, 12, 7] = np.nan
+    gpu, cpu = compare(noisy, **options)
+    assert gpu.info["filter"] == options["filter"]
+
+
+@pytest.mark.parametrize("floor", [dict(noise_floor="rician"), dict(noise_floor="ncchi", coils=4)])
+def test_the_noise_floor_matches_cpu(floor):
+    """A magnitude noise floor removed on the GPU: the CPU's series (the transform and its inverse run on the
+    host around either engine, so the engines' tolerances hold)."""
+    noisy = dwi_phantom((36, 32, 20), n_volumes=40, sigma=60.0, seed=28, rician=True, **(
+        dict(coils=floor["coils"]) if "coils" in floor else {}))[0]
+    gpu = denoise(noisy, device="cuda", **floor)
+    cpu = denoise(noisy, device="cpu", nprocs=4, **floor)
+    assert gpu.info["backend"] == "gpu" and cpu.info["backend"] == "cpu"
+    rms = np.sqrt(np.mean((gpu.denoised.astype(np.float64) - cpu.denoised) ** 2)
+                  / np.mean(cpu.denoised.astype(np.float64) ** 2))
+    assert rms <= 1e-4 and np.mean(np.abs(gpu.rank - cpu.rank) < 0.5) >= 0.995
+
+
+@pytest.mark.parametrize("phase_method", ["hann", "mppca"])
+def test_complex_data_match_cpu(phase_method):
+    """Complex data (the background phase removed, the real part denoised) on the GPU: the CPU's magnitude,
+    phase and ranks."""
+    from mppca_nipype.engine.complex_data import denoise_complex
+    from mppca_nipype.phantoms import complex_dwi_phantom
+
+    magnitude, phase = complex_dwi_phantom((36, 32, 20), n_volumes=40, sigma=60.0, seed=29)[:2]
+    gpu = denoise_complex(magnitude, phase, phase_method=phase_method, device="cuda")
+    cpu = denoise_complex(magnitude, phase, phase_method=phase_method, device="cpu", nprocs=4)
+    rms = np.sqrt(np.mean((gpu.denoised.astype(np.float64) - cpu.denoised) ** 2)
+                  / np.mean(cpu.denoised.astype(np.float64) ** 2))
+    assert rms <= 1e-4 and np.mean(np.abs(gpu.rank - cpu.rank) < 0.5) >= 0.995
+    strong = cpu.denoised > 4 * np.median(cpu.sigma[cpu.sigma > 0])  # where the phase is defined well
+    turn = np.angle(np.exp(1j * (gpu.phase[strong].astype(np.float64) - cpu.phase[strong])))
+    assert np.sqrt(np.mean(turn ** 2)) <= 1e-3

@@ -1,0 +1,139 @@
+"""Each option beyond magnitude-only MP-PCA on the GPU: its time against the magnitude-only run of the same
+series, and its agreement with the CPU engine.
+
+Phantom: ``mppca_nipype.phantoms.complex_dwi_phantom`` (the head-shaped DWI signal on a smooth background
+phase, complex Gaussian noise; seed 0) at ``--shape`` x ``--volumes`` (default 96x96x60 x 100) and ``--snr``
+(default 10). The magnitude with the defaults is the reference run; each option then runs on the same series:
+
+- ``noise-in``: the true sigma given (``noise=``);
+- ``rician``, ``ncchi 4``: the magnitude noise floor (``noise_floor=``; ``coils=4`` for ``ncchi``);
+- ``optshrink``, ``optthresh``: the filters;
+- ``phase hann``, ``phase mppca``: complex data (``denoise_complex``, with the phase).
+
+Each run is timed host to host in this process (NumPy in, NumPy out), ``--repeats`` times after one warm-up
+(kernels compiled), best kept; the ratio to the magnitude-only run's best is the option's cost. The same run on
+the CPU engine (``--threads`` workers, once) gives the agreement: the rms of the difference of the denoised
+series over the rms of the CPU's (in the head), and the share of voxels where the rank maps are equal.
+
+Usage (from the repository root, on a machine with a CUDA GPU)::
+
+    python benchmarks/gpu_options.py --threads 16
+
+Writes JSON to ``--out`` (default benchmarks/results/gpu_options.json) and the Markdown table next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+import sys
+import time
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+for path in (HERE, REPO):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import harness  # noqa: E402
+from mppca_nipype import denoise, denoise_complex  # noqa: E402
+from mppca_nipype.phantoms import complex_dwi_phantom  # noqa: E402
+
+#: The options timed, each as the keywords of ``denoise`` (or, with ``phase_method``, of ``denoise_complex``).
+OPTIONS = {
+    "magnitude": {},
+    "noise-in": {"noise": "true"},
+    "rician": {"noise_floor": "rician"},
+    "ncchi 4": {"noise_floor": "ncchi", "coils": 4},
+    "optshrink": {"filter": "optshrink"},
+    "optthresh": {"filter": "optthresh"},
+    "phase hann": {"phase_method": "hann"},
+    "phase mppca": {"phase_method": "mppca"},
+}
+
+
+def run_option(keywords, magnitude, phase, sigma, device, threads):
+    keywords = dict(keywords)
+    if keywords.get("noise") == "true":
+        keywords["noise"] = sigma
+    if "phase_method" in keywords:
+        return denoise_complex(magnitude, phase, device=device, nprocs=threads, **keywords)
+    return denoise(magnitude, device=device, nprocs=threads, **keywords)
+
+
+def best_seconds(call, repeats):
+    call()  # warm-up: kernels compiled, buffers allocated
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = call()
+        times.append(time.perf_counter() - started)
+    return min(times), times, result
+
+
+def measure(args) -> dict:
+    sigma = 1000.0 / args.snr
+    magnitude, phase, truth, _, _, _ = complex_dwi_phantom(args.shape, args.volumes, sigma=sigma, seed=0)
+    head = truth[..., 0] > 0
+    rows = []
+    for name in args.options:
+        keywords = OPTIONS[name]
+        best, times, gpu = best_seconds(
+            lambda: run_option(keywords, magnitude, phase, sigma, "cuda", args.threads), args.repeats)
+        started = time.perf_counter()
+        cpu = run_option(keywords, magnitude, phase, sigma, "cpu", args.threads)
+        cpu_seconds = time.perf_counter() - started
+        difference = (gpu.denoised - cpu.denoised)[head]
+        rows.append(dict(option=name, keywords={k: v for k, v in keywords.items()}, gpu_seconds=best,
+                         gpu_times=times, cpu_seconds=cpu_seconds, device=gpu.info.get("device"),
+                         relative_rms=float(np.sqrt(np.mean(difference.astype(np.float64) ** 2))
+                                            / np.sqrt(np.mean(cpu.denoised[head].astype(np.float64) ** 2))),
+                         ranks_equal=float(np.mean(np.abs(gpu.rank - cpu.rank)[head] < 0.5))))
+        row = rows[-1]
+        print(f"gpu_options: {name:12s} GPU {best:.3f} s ({row['device']}) CPU {cpu_seconds:.2f} s "
+              f"rel. rms {row['relative_rms']:.1e} ranks equal {100 * row['ranks_equal']:.2f}%", file=sys.stderr)
+    base = next((row["gpu_seconds"] for row in rows if row["option"] == "magnitude"), None)
+    for row in rows:
+        row["ratio_to_magnitude"] = None if base is None else row["gpu_seconds"] / base
+    return dict(shape=list(args.shape), volumes=args.volumes, snr=args.snr, sigma=sigma, repeats=args.repeats,
+                threads=args.threads, rows=rows)
+
+
+def markdown(result) -> str:
+    lines = [f"{'x'.join(map(str, result['shape']))} x {result['volumes']}, SNR {result['snr']:g}; GPU best of "
+             f"{result['repeats']} (host to host, in a running process), CPU once on {result['threads']} workers.",
+             "",
+             "| option | GPU s | / magnitude's | CPU s | rel. rms GPU vs CPU | ranks equal |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for row in result["rows"]:
+        ratio = "" if row["ratio_to_magnitude"] is None else f"{row['ratio_to_magnitude']:.2f}x"
+        lines.append(f"| {row['option']} | {row['gpu_seconds']:.3f} | {ratio} | {row['cpu_seconds']:.2f} | "
+                     f"{row['relative_rms']:.1e} | {100 * row['ranks_equal']:.2f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=lambda s: tuple(int(v) for v in s.split(",")), default=(96, 96, 60))
+    parser.add_argument("--volumes", type=int, default=100)
+    parser.add_argument("--snr", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="CPU worker processes (default: all)")
+    parser.add_argument("--options", type=lambda s: s.split(","), default=list(OPTIONS),
+                        help=f"comma-separated, of: {', '.join(OPTIONS)}")
+    parser.add_argument("--out", default=str(HERE / "results" / "gpu_options.json"))
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.options if name not in OPTIONS]
+    if unknown:
+        parser.error(f"unknown options {unknown}; choose from {list(OPTIONS)}")
+    run = harness.stamp()
+    result = dict(stamp=run, **measure(args))
+    table = markdown(result)
+    harness.write_result(args.out, result, markdown=harness.stamp_markdown(run) + "\n\n" + table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
