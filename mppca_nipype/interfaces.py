@@ -110,10 +110,12 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=Non
     ``parameters`` holds its options (``phase_method``; no noise floor). The GPU runs on the device
     ``gpu_slot`` gives it, so that concurrent nodes on a machine with several GPUs each use their own; a run
     that goes on on the CPU after the GPU ran out of memory gives its slot back first (another node can use the
-    GPU meanwhile).
+    GPU meanwhile). Where the BIDS app started a GPU worker (``gpu_worker``), a GPU run is the worker's: this
+    process starts neither torch nor CUDA (``placement["GPUWorker"]``: the worker's process id).
     """
     from .engine import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, check_device, denoise
     from .engine.complex_data import denoise_complex
+    from .gpu_worker import denoise_remote, worker_address
 
     notes, placement = [], {"GPUAsked": bool(use_gpu), "GPUSlot": None, "CPUFallback": None}
 
@@ -128,6 +130,20 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=Non
         notes.extend(str(w.message) for w in caught if issubclass(w.category, MPPCAWarning))
         return result
 
+    if use_gpu and worker_address():  # the app's GPU worker, started once for all its runs
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", MPPCAWarning)
+                result = denoise_remote(data, mask, parameters, phase=phase, gpu_memory=gpu_memory)
+            notes.extend(str(w.message) for w in caught if issubclass(w.category, MPPCAWarning))
+            placement["GPUWorker"] = result.info.get("gpu_worker")
+            return result, notes, placement
+        except GPUOutOfMemoryError as err:
+            placement["CPUFallback"] = err.reason
+            notes.append(err.fallback_note)
+            return run("cpu"), notes, placement
+        except ConnectionError as err:  # the worker is gone: this node starts the GPU itself
+            notes.append(f"{err}; this run started the GPU itself")
     if use_gpu:
         try:
             check_device("cuda")

@@ -428,7 +428,33 @@ def run(args) -> int:
 
         use_gpu = gpu_probably_usable()
     output_dir, work_dir = prepare_output(args, bids_dir)
+    worker = start_gpu_worker(args, use_gpu)
+    try:
+        return finish_run(args, bids_dir, filters, output_dir, work_dir, use_gpu, worker, note, started)
+    finally:
+        if worker is not None:
+            worker.stop()
+            for variable in worker.environment():
+                os.environ.pop(variable, None)
 
+
+def start_gpu_worker(args, use_gpu):
+    """The GPU worker that serves this run's nodes (``gpu_worker``), started now so that torch and CUDA start
+    while the dataset is indexed; None where the nodes run on the CPU, in this process (Linear), as batch jobs,
+    or on several GPUs (each node then takes one, ``interfaces.gpu_slot``)."""
+    from ..interfaces import visible_gpus
+
+    if not use_gpu or args.plugin != "MultiProc" or len(visible_gpus()) != 1:
+        return None
+    from ..gpu_worker import GPUWorker
+
+    worker = GPUWorker.start()
+    os.environ.update(worker.environment())  # the workflow's cost model and the nodes find it there
+    return worker
+
+
+def finish_run(args, bids_dir, filters, output_dir, work_dir, use_gpu, worker, note, started):
+    """``run`` from indexing the dataset on: select the runs, denoise them, write the reports."""
     from ..bids import open_layout
 
     with warnings.catch_warnings():
@@ -448,6 +474,13 @@ def run(args) -> int:
         for run_ in sorted(todo, key=lambda r: r.node_name):  # one order for all: no deadlock
             locks.enter_context(output_lock(output_dir, f"run-{run_.node_name}", on_wait=lambda r=run_: note(
                 f"waiting for another {PROG} run that is denoising {r.name} into {output_dir}")))
+        if worker is not None:
+            why_not = worker.wait_ready()
+            if why_not is not None:
+                for variable in worker.environment():
+                    os.environ.pop(variable, None)
+                say(f"{PROG}: warning: the GPU worker did not start ({why_not}); each GPU run starts the GPU "
+                    "itself")
         failed = execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note)
     _report_runs(todo, output_dir, note)
     if args.reports:
@@ -517,12 +550,14 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
 
     plugin_args = dict(args.plugin_args)
     if args.plugin == "MultiProc":
+        from ..gpu_worker import worker_address
         from ..interfaces import visible_gpus
 
         plugin_args.setdefault("n_procs", nprocs)
         plugin_args.setdefault("raise_insufficient", False)
         # one GPU node per visible device (nvidia-smi, Nipype's default, ignores CUDA_VISIBLE_DEVICES)
-        plugin_args.setdefault("n_gpu_procs", len(visible_gpus()) if use_gpu else 0)
+        # with the GPU worker, two: one node reads or writes its files while the worker runs another's series
+        plugin_args.setdefault("n_gpu_procs", (2 if worker_address() else len(visible_gpus())) if use_gpu else 0)
         if use_gpu:  # workers start clean: CUDA cannot be used in a process forked after it started
             plugin_args.setdefault("mp_context", "forkserver")
     if args.plugin == "SLURM":

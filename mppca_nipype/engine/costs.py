@@ -86,11 +86,14 @@ def gpu_started() -> bool:
     return torch is not None and torch.cuda.is_initialized()
 
 
-def estimate(spatial_shape, n_volumes: int, extent, stride: int, nprocs: int) -> Estimate:
+def estimate(spatial_shape, n_volumes: int, extent, stride: int, nprocs: int,
+             started: bool | None = None) -> Estimate:
     """Both engines' estimated seconds for the series: the CPU's with ``nprocs`` worker processes, the GPU's
-    from this process's state (a started GPU starts again at almost no cost)."""
+    from whether the GPU engine is ``started`` already (a started GPU starts again at almost no cost; None:
+    whether this process started it, ``gpu_started``)."""
     work = core_seconds(spatial_shape, n_volumes, extent, stride)
     speed_up = nprocs / (1 + CPU_SERIAL_SHARE * (nprocs - 1))
     cpu = (CPU_START_SECONDS if nprocs > 1 else 0.0) + work / speed_up
-    start = GPU_RESTART_SECONDS if gpu_started() else GPU_START_SECONDS
+    started = gpu_started() if started is None else started
+    start = GPU_RESTART_SECONDS if started else GPU_START_SECONDS
     return Estimate(cpu_seconds=cpu, gpu_seconds=start + GPU_SECONDS_PER_CORE_SECOND * work)

@@ -17,6 +17,9 @@ class GPUOutOfMemoryError(MPPCAInputError):
         super().__init__(f"{reason}; free the GPU or use device 'cpu'")
         self.reason = reason
 
+    def __reduce__(self):  # pickled (from the GPU worker to a node) as made: from its reason
+        return type(self), (self.reason,)
+
     @property
     def fallback_note(self) -> str:
         """The sentence a caller that goes on on the CPU reports (as ``denoise(device="auto")`` warns it)."""

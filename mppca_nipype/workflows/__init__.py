@@ -148,16 +148,19 @@ def node_resources(shape, *, use_gpu, max_procs, extent=DEFAULTS["extent"], stri
 
 
 def gpu_finishes_first(shape, extent, stride, num_threads) -> bool:
-    """Whether the GPU engine, started in the node's own process, would finish a series of ``shape`` before
-    the CPU engine on ``num_threads`` workers (``engine.costs``: what ``denoise(device="auto")`` decides)."""
+    """Whether the GPU engine would finish a series of ``shape`` before the CPU engine on ``num_threads``
+    workers (``engine.costs``: what ``denoise(device="auto")`` decides): started in the node's own process,
+    or already started by the app's GPU worker (``gpu_worker``) where it serves the nodes."""
     from ..engine import costs
+    from ..gpu_worker import worker_address
     from ..engine.patches import resolve_extent
 
     try:
         extents = resolve_extent(extent, tuple(shape[:3]), int(shape[3]))
     except ValueError:  # a wrong extent fails in the node itself, with its message
         return True
-    return costs.estimate(tuple(shape[:3]), int(shape[3]), extents, stride, num_threads).device == "cuda"
+    return costs.estimate(tuple(shape[:3]), int(shape[3]), extents, stride, num_threads,
+                          started=True if worker_address() else None).device == "cuda"
 
 
 def sbatch_resources(node) -> str:
