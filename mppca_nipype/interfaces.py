@@ -307,6 +307,8 @@ class MPPCADenoise(SimpleInterface):
             mask_file=self.inputs.mask if isdefined(self.inputs.mask) else None,
             mask=mask, parameters=dict({k: v for k, v in parameters.items() if k != "noise"}, **noise_source,
                                        **({} if phase is None else dict(phase_file=Path(self.inputs.phase_file).name)),
+                                       # the noise model, with a phase too (where the floor is 'none')
+                                       noise_floor=self.inputs.noise_floor, coils=self.inputs.coils,
                                        use_gpu=bool(self.inputs.use_gpu), num_threads=self.inputs.num_threads),
             wall_seconds=time.perf_counter() - start, warnings=notes, timings=phases.as_dict())
         provenance.update(placement)

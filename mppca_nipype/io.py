@@ -51,23 +51,40 @@ def load_image(path, what="input"):
         raise MPPCAInputError(f"the {what} file {path} cannot be read as NIfTI ({err})") from None
 
 
+def is_complex(image) -> bool:
+    """Whether the image stores complex numbers (NIfTI's complex64/complex128), from its header."""
+    return image.get_data_dtype().kind == "c"
+
+
 def read_data(image, path, what="input", dtype=np.float32):
     """The image's values with its scaling applied (scl_slope/scl_inter), as ``dtype``, in NIfTI's order
-    (volume after volume: Fortran order, which the engine takes as it is). A .nii.gz file is decompressed by
-    ISA-L (``isal``) where it is installed: twice as fast as zlib; stored as ``dtype`` with no scaling, it is
-    decompressed straight into the array (``_decompressed``)."""
+    (volume after volume: Fortran order, which the engine takes as it is): real numbers, or complex ones for a
+    complex ``dtype`` (``is_complex`` says which the file holds; complex values asked for as real ones fail with
+    one sentence). A .nii.gz file is decompressed by ISA-L (``isal``) where it is installed: twice as fast as
+    zlib; stored as ``dtype`` with no scaling, it is decompressed straight into the array (``_decompressed``)."""
+    if is_complex(image) and np.dtype(dtype).kind != "c":
+        raise MPPCAInputError(f"the {what} file {path} holds complex numbers ({image.get_data_dtype()}), not "
+                              "real ones")
     try:
         igzip = _isal("igzip")
         if igzip is None or not str(path).endswith(".gz"):
-            return np.asarray(image.get_fdata(dtype=dtype))
+            return _values(image, dtype)
         with igzip.open(path, "rb") as stream:
             direct = _decompressed(image, stream, dtype)
             if direct is not None:
                 return direct
             streamed = type(image).from_file_map(type(image).make_file_map({"image": stream, "header": stream}))
-            return np.asarray(streamed.get_fdata(dtype=dtype))
+            return _values(streamed, dtype)
     except Exception as err:
         raise MPPCAInputError(f"the {what} file {path} is corrupt or truncated ({err})") from None
+
+
+def _values(image, dtype):
+    """The image's scaled values as ``dtype``: ``get_fdata`` for a real dtype; its data object for a complex one
+    (``get_fdata`` gives real numbers only)."""
+    if np.dtype(dtype).kind == "c":
+        return np.asarray(image.dataobj).astype(dtype, copy=False)
+    return np.asarray(image.get_fdata(dtype=dtype))
 
 
 def _decompressed(image, stream, dtype):
@@ -321,14 +338,17 @@ def glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
-def save_like(array, reference, path, dtype=np.float32, *, atomic=True):
-    """Write ``array`` with the reference image's affine and header, atomically.
+def save_like(array, reference, path, dtype=None, *, atomic=True):
+    """Write ``array`` with the reference image's affine and header, atomically: as ``dtype``, by default
+    float32, or complex64 for a complex ``array``.
 
     The data are written to a temporary file in the destination folder, then renamed over ``path``: a
     reader never sees a half-written file, and an interrupted run leaves none behind. ``atomic=False``
     writes ``path`` itself (for a path that is already a ``staged_files`` temporary).
     """
     path = Path(path)
+    if dtype is None:
+        dtype = np.complex64 if np.iscomplexobj(array) else np.float32
     header = reference.header.copy()
     header.set_data_dtype(dtype)
     if array.ndim != len(header.get_data_shape()):

@@ -52,7 +52,8 @@ Denoise a 4D diffusion or functional MRI series by Marchenko-Pastur PCA
 is split into signal and noise components by the Marchenko-Pastur law and
 projected onto its signal components; overlapping patches are combined.
 IN and OUT are NIfTI files (.nii or .nii.gz); OUT is float32 with IN's affine
-and header."""
+and header. A complex IN (complex64/complex128) is denoised as complex data, as
+a magnitude with --phase is, and OUT is then complex64."""
 
 EPILOG = """\
 MRtrix3 dwidenoise's mode is --extent auto
@@ -73,7 +74,8 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog=PROG, usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", nargs="?", metavar="IN",
-                        help="the noisy 4D series (X, Y, Z, T), .nii or .nii.gz")
+                        help="the noisy 4D series (X, Y, Z, T), .nii or .nii.gz: real, or complex (complex64, "
+                             "complex128: denoised as complex data, its phase as --phase gives a magnitude's)")
     parser.add_argument("output", nargs="?", metavar="OUT", help="the denoised series to write, .nii or .nii.gz")
     parser.add_argument("--mask", metavar="M",
                         help="3D NIfTI on IN's voxel grid: denoise only its non-zero voxels (outputs are 0 "
@@ -189,22 +191,23 @@ def run(args, parser) -> None:
     with phases("checks"):
         image, mask, options, outputs = _checked(args, parser)
 
+    complex_input = io.is_complex(image)
     with io.staged_files(outputs, what=outputs) as staged:
         with phases("read"):
-            data = io.read_data(image, args.input)
+            data = io.read_data(image, args.input, dtype=np.complex64 if complex_input else np.float32)
             phase = None if args.phase is None else io.read_data(io.load_image(args.phase, "phase"), args.phase,
                                                                  "phase")
         with phases("denoise"), ProgressBar(PROG, quiet=args.quiet) as progress:
             run_options = dict(device=args.device, nprocs=args.nprocs, gpu_memory=args.gpu_memory,
                                progress=progress)
-            if phase is None:
+            if phase is None and not complex_input:
                 result = denoise(data, mask, **options, **noise_floor_options(args), **run_options)
-            else:
+            else:  # a magnitude and its phase, or the complex series itself (phase None)
                 result = denoise_complex(data, phase, mask, **options, phase_method=args.phase_method,
                                          **run_options)
         phases.parts_of("denoise", result.info["seconds"])
-        images = {args.output: result.denoised, args.noise: result.sigma, args.rank: result.rank,
-                  args.phase_out: getattr(result, "phase", None)}
+        images = {args.output: result.denoised_complex if complex_input else result.denoised,
+                  args.noise: result.sigma, args.rank: result.rank, args.phase_out: getattr(result, "phase", None)}
         with phases("write"):
             write_images(images, image, staged, outputs)
 
@@ -218,6 +221,12 @@ def _checked(args, parser):
     """Every check before a voxel is read: the input's header, the mask, the options, the device, the
     destinations (distinct, not an input, writable). Returns (image, mask, options, {output: label})."""
     image, shape, mask = open_input(args)  # shapes only: no voxel of the series is read yet
+    if io.is_complex(image):  # the phase is in the series, and the real part it gives has no floor
+        if args.phase is not None:
+            parser.error(f"IN {args.input} is a complex series, which carries its own phase; leave out --phase")
+        if args.noise_floor != "none":
+            parser.error(f"IN {args.input} is a complex series, denoised through its phase-demodulated real part "
+                         f"with no magnitude floor; leave out --noise-floor {args.noise_floor}")
     if args.phase is not None:  # its header now; its values (units, finiteness) once read
         phase_shape = tuple(io.load_image(args.phase, "phase").shape)
         if phase_shape != shape:
@@ -337,8 +346,10 @@ def summary(result, data, mask, seconds: float) -> str:
             f"{medians}")
     if "phase_method" in result.info:  # complex data: how the phase was read and whether demodulation held
         ratio = result.info["imaginary_sd_ratio"]
-        line += (f"; phase in {result.info['phase_units']}, background by {result.info['phase_method']}, rms of the "
-                 f"imaginary part / noise {'n/a' if ratio is None else format(ratio, '.3f')}")
+        units = result.info["phase_units"]
+        line += (f"; {'complex input' if units == 'complex' else f'phase in {units}'}, background by "
+                 f"{result.info['phase_method']}, rms of the imaginary part / noise "
+                 f"{'n/a' if ratio is None else format(ratio, '.3f')}")
     return line
 
 

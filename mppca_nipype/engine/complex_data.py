@@ -11,7 +11,8 @@ DESIGNER-v2's ``-phase``).
 ``background_phase`` estimates phi per slice and volume from the complex image itself: a 2D Hann low-pass in
 k-space over the central ``width`` of each in-plane axis, phi = angle of the filtered image (the method of
 Eichner et al. 2015 for real-valued diffusion MRI). ``denoise_complex`` runs the whole pipeline around
-``denoise``, on either engine (R is real: nothing else is engine-specific).
+``denoise``, on either engine (R is real: nothing else is engine-specific), from a magnitude and its phase or
+from the complex series itself.
 
 References: Eichner C, Cauley SF, Cohen-Adad J, et al. Real diffusion-weighted MRI enabling true signal averaging
 and increased diffusion contrast. NeuroImage 122:373-384 (2015). doi:10.1016/j.neuroimage.2015.07.074.
@@ -70,7 +71,8 @@ class ComplexDenoiseResult:
     rank : (X, Y, Z) float32 array
         The number of signal components kept in R.
     info : dict
-        ``denoise``'s info, with ``phase_method``, ``phase_width``, ``phase_passes``, ``phase_units``,
+        ``denoise``'s info, with ``phase_method``, ``phase_width``, ``phase_passes``, ``phase_units`` (how
+        the phase was read: ``phase_in_radians``'s units, or "complex" for a complex series),
         ``magnitude`` (``magnitude_out``),
         ``imaginary_sd_ratio`` (the median over the denoised voxels of the rms of I over time, divided by
         sigma: about 1 where phi is right) and ``seconds`` by step.
@@ -81,6 +83,11 @@ class ComplexDenoiseResult:
     sigma: np.ndarray
     rank: np.ndarray
     info: dict
+
+    @property
+    def denoised_complex(self) -> np.ndarray:
+        """The denoised complex series, ``denoised`` e^{i ``phase``}, complex64."""
+        return (self.denoised * np.exp(1j * self.phase)).astype(np.complex64)
 
 
 def phase_in_radians(phase, shape=None):
@@ -143,13 +150,14 @@ def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES):
     return (np.mod(phase + np.pi, 2 * np.pi) - np.pi).astype(np.float32)
 
 
-def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_width=PHASE_WIDTH,
+def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", phase_width=PHASE_WIDTH,
                     phase_passes=PHASE_PASSES, magnitude_out="clip", extent=None, stride=None, estimator=None,
                     aggregation=None, demean=None, filter=None,  # noqa: A002
                     noise=None, device="auto", nprocs=None, gpu_memory=None, progress=None):
     """MP-PCA of complex data: the background phase removed, the real part denoised, the phase put back.
 
-    1. S = magnitude e^{i phase} (``phase`` in radians or a scanner's units: ``phase_in_radians``).
+    1. S = magnitude e^{i phase} (``phase`` in radians or a scanner's units: ``phase_in_radians``), or the
+       complex series given as ``magnitude`` (``phase`` None).
     2. phi = ``background_phase``(S) per slice and volume (``phase_method="hann"``), or of S first denoised
        by ``denoise`` of its real and imaginary parts stacked as 2T volumes (``"mppca"``: less noise in phi, at
        the cost of a second pass over twice the volumes).
@@ -162,9 +170,10 @@ def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_w
     Parameters
     ----------
     magnitude : (X, Y, Z, T) array
-        The modulus of the complex series (not negative).
+        The modulus of the complex series (not negative); or the complex series itself (a complex dtype),
+        then without ``phase``.
     phase : (X, Y, Z, T) array
-        Its phase: radians, or a scanner's whole-number units (``phase_in_radians``).
+        The magnitude's phase: radians, or a scanner's whole-number units (``phase_in_radians``).
     mask : (X, Y, Z) array, optional
         As for ``denoise``.
     phase_method : {"hann", "mppca"}
@@ -197,15 +206,26 @@ def denoise_complex(magnitude, phase, mask=None, *, phase_method="hann", phase_w
         raise MPPCAInputError(f"phase_method must be one of {', '.join(PHASE_METHODS)}, not {phase_method!r}")
     if magnitude_out not in MAGNITUDES:
         raise MPPCAInputError(f"magnitude_out must be one of {', '.join(MAGNITUDES)}, not {magnitude_out!r}")
-    magnitude, mask = check_data(magnitude, mask)
-    radians, units = phase_in_radians(phase, magnitude.shape)
-    with np.errstate(invalid="ignore"):
-        negative = int(np.count_nonzero(magnitude[mask] < 0))
-    if negative:
-        raise MPPCAInputError(f"the magnitude has {negative} negative values; with a phase it must be the "
-                              "modulus of the complex image")
-    finite = np.isfinite(magnitude)
-    image = np.where(finite, magnitude, 0).astype(np.complex64) * np.exp(1j * radians).astype(np.complex64)
+    if np.iscomplexobj(magnitude):
+        if phase is not None:
+            raise MPPCAInputError("a complex series carries its own phase; give it without a phase")
+        image = np.array(magnitude, dtype=np.complex64)  # a copy: it is demodulated in place below
+        magnitude, mask = check_data(np.abs(image), mask)  # NaN/Inf in either part: not finite here
+        finite = np.isfinite(magnitude)
+        image[~finite] = 0
+        units = "complex"
+    else:
+        if phase is None:
+            raise MPPCAInputError("the magnitude needs its phase (or give the complex series itself)")
+        magnitude, mask = check_data(magnitude, mask)
+        radians, units = phase_in_radians(phase, magnitude.shape)
+        with np.errstate(invalid="ignore"):
+            negative = int(np.count_nonzero(magnitude[mask] < 0))
+        if negative:
+            raise MPPCAInputError(f"the magnitude has {negative} negative values; with a phase it must be the "
+                                  "modulus of the complex image")
+        finite = np.isfinite(magnitude)
+        image = np.where(finite, magnitude, 0).astype(np.complex64) * np.exp(1j * radians).astype(np.complex64)
     run_options = dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory, progress=progress)
     if phase_method == "mppca":
         first = denoise(np.concatenate([image.real, image.imag], axis=3), mask, **options, **run_options).denoised
