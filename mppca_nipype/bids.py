@@ -19,6 +19,13 @@ or ``bold``) the derivative dataset holds, in the same sub-/ses-/datatype folder
 ``logs/CITATION.md``
     The methods boilerplate with its references.
 
+A magnitude/phase pair (``<entities>_part-mag_<suffix>`` and ``<entities>_part-phase_<suffix>``, every other
+entity the same: ``pair_parts``) is denoised as one complex series and written as both parts,
+``<entities>_part-mag_desc-denoised_<suffix>`` and ``<entities>_part-phase_desc-denoised_<suffix>`` (+ ``.json``
+each), with the maps and the gradient table named once for the pair, without ``part``: they belong to both parts
+(BIDS asks a derivative to carry all its source's entities only when it comes from one raw file, and even then
+lets go of those no longer relevant): ``<entities>_desc-noise_<suffix>map``, ``<entities>_<suffix>.bval``.
+
 A given noise level (``--noise-in DIR``) is read from another derivative dataset in the same names: the
 ``desc-noise`` map of each run, as this app (or ``mppca-noise`` writing into those names) left it
 (``given_noise_map``). That dataset is ``DatasetLinks["noise"]``, and each sidecar names its map as
@@ -65,7 +72,23 @@ MAPS = {
 #: The noise map's description when the noise level was given (``--noise-in``), not estimated.
 GIVEN_NOISE_DESCRIPTION = ("Noise standard deviation given to MP-PCA (--noise-in), as the patches used it (the "
                            "mean over each patch, combined as the estimate is)")
+#: The estimated noise map's description for a magnitude/phase pair.
+COMPLEX_NOISE_DESCRIPTION = ("Noise standard deviation of each real channel of the complex series (magnitude and "
+                             "phase), estimated by MP-PCA on its phase-demodulated real part (same units as the "
+                             "magnitude)")
 DENOISED_DESC = "denoised"
+
+#: The sidecars' ``Description``: a series denoised alone, and the two parts of a magnitude/phase pair.
+DESCRIPTIONS = {
+    "denoised": "Denoised by Marchenko-Pastur PCA (MP-PCA); see logs/CITATION.md",
+    "magnitude": ("Magnitude of the complex series (this run with its part-phase run) denoised by MP-PCA of its "
+                  "phase-demodulated real part; see logs/CITATION.md"),
+    "phase": ("Phase, in radians, of the complex series (this run with its part-mag run) denoised by MP-PCA of "
+              "its phase-demodulated real part; see logs/CITATION.md"),
+}
+
+#: The ``part`` labels of a complex series' magnitude and phase (BIDS), which are denoised together.
+PARTS = ("mag", "phase")
 
 #: The ``DatasetLinks`` key of the derivative dataset that gave the noise maps (``--noise-in DIR``).
 NOISE_LINK = "noise"
@@ -176,35 +199,44 @@ def split_name(filename: str):
     return entities, parts[-1], match.group(1)
 
 
-def derivative_names(source_relpath) -> dict:
+def derivative_names(source_relpath, phase_relpath=None) -> dict:
     """Paths, relative to OUTPUT_DIR, of every derivative of the raw run at ``source_relpath``.
 
     Keys: ``denoised``, ``denoised_json``, ``noise``, ``noise_json``, ``rank``, ``rank_json``, and for DWI
-    ``bval``, ``bvec``.
+    ``bval``, ``bvec``. With ``phase_relpath``, the ``part-phase`` run paired with the ``part-mag`` run at
+    ``source_relpath``, also ``phase`` and ``phase_json`` (the denoised phase: the phase run's name with
+    ``desc-denoised``, in the magnitude's format), and the maps and gradient files are named once for the pair,
+    without ``part``.
     """
     source = PurePosixPath(source_relpath)
     entities, suffix, extension = split_name(source.name)
     folder = source.parent
+    shared = entities if phase_relpath is None else [e for e in entities if not e.startswith("part-")]
 
-    def name(desc, ending):
+    def name(entities, desc, ending):
         return str(folder / "_".join([*entities, *([f"desc-{desc}"] if desc else []), ending]))
 
-    names = {"denoised": name(DENOISED_DESC, suffix) + extension,
-             "denoised_json": name(DENOISED_DESC, suffix) + ".json"}
+    names = {"denoised": name(entities, DENOISED_DESC, suffix) + extension,
+             "denoised_json": name(entities, DENOISED_DESC, suffix) + ".json"}
+    if phase_relpath is not None:
+        phase_entities = split_name(PurePosixPath(phase_relpath).name)[0]
+        names.update(phase=name(phase_entities, DENOISED_DESC, suffix) + extension,
+                     phase_json=name(phase_entities, DENOISED_DESC, suffix) + ".json")
     for kind, (desc, ending, _) in MAPS.items():
-        names[kind] = name(desc, suffix + ending) + extension
-        names[f"{kind}_json"] = name(desc, suffix + ending) + ".json"
+        names[kind] = name(shared, desc, suffix + ending) + extension
+        names[f"{kind}_json"] = name(shared, desc, suffix + ending) + ".json"
     if suffix == "dwi":
-        names["bval"] = name(None, suffix) + ".bval"
-        names["bvec"] = name(None, suffix) + ".bvec"
+        names["bval"] = name(shared, None, suffix) + ".bval"
+        names["bvec"] = name(shared, None, suffix) + ".bvec"
     return names
 
 
-def given_noise_map(source_relpath, noise_dir) -> Path:
-    """Where the noise map of the raw run at ``source_relpath`` lies in the derivative dataset ``noise_dir``: its
-    ``desc-noise`` map under this app's name (``derivative_names``), ``.nii.gz`` or else ``.nii`` (the first
-    that exists; the ``.nii.gz`` name when neither does)."""
-    name = Path(noise_dir) / derivative_names(source_relpath)["noise"]
+def given_noise_map(source_relpath, noise_dir, phase_relpath=None) -> Path:
+    """Where the noise map of the raw run at ``source_relpath`` (with its phase run ``phase_relpath``, for a
+    magnitude/phase pair) lies in the derivative dataset ``noise_dir``: its ``desc-noise`` map under this app's
+    name (``derivative_names``), ``.nii.gz`` or else ``.nii`` (the first that exists; the ``.nii.gz`` name when
+    neither does)."""
+    name = Path(noise_dir) / derivative_names(source_relpath, phase_relpath)["noise"]
     stem = _NIFTI.sub("", name.name)
     for candidate in (name.with_name(stem + ".nii.gz"), name.with_name(stem + ".nii")):
         if candidate.is_file():
@@ -219,7 +251,7 @@ def check_given_noise_maps(runs, noise_dir) -> dict:
 
     maps, problems = {}, []
     for run in runs:
-        path = given_noise_map(run.relpath, noise_dir)
+        path = given_noise_map(run.relpath, noise_dir, run.phase_relpath)
         if not path.is_file():
             problems.append(f"{run.name} has none ({path.relative_to(noise_dir)} is missing)")
             continue
@@ -279,10 +311,19 @@ class Run:
     bval: Path | None = None
     bvec: Path | None = None
     skip: str | None = None
+    #: The ``part-phase`` run denoised with this ``part-mag`` run as one complex series (``pair_parts``).
+    phase: Run | None = None
+    #: Something to tell the user about how the run is denoised (a ``part-mag`` run without its phase).
+    note: str | None = None
 
     @property
     def name(self) -> str:
         return PurePosixPath(self.relpath).name
+
+    @property
+    def phase_relpath(self) -> str | None:
+        """The paired phase run's path relative to BIDS_DIR (POSIX), or None."""
+        return None if self.phase is None else self.phase.relpath
 
     @property
     def node_name(self) -> str:
@@ -365,8 +406,10 @@ def check_filters(filters, layout) -> dict:
 def query_runs(layout, *, participants=None, sessions=None, datatypes=("dwi", "func"), filters=None):
     """Every DWI and BOLD run the labels and filters select, in a stable order.
 
-    DWI runs get their ``.bval``/``.bvec`` through BIDS inheritance. Multi-echo (``echo-``) and complex
-    (``part-``) runs, and DWI runs without a gradient table, come back with ``skip`` set to the reason.
+    DWI runs get their ``.bval``/``.bvec`` through BIDS inheritance. Magnitude/phase runs are paired
+    (``pair_parts``): a ``part-mag`` run carries its ``part-phase`` run as ``phase``, and the phase run is not
+    listed on its own. Multi-echo (``echo-``), real/imaginary (``part-real``, ``part-imag``) and unpaired
+    ``part-phase`` runs, and DWI runs without a gradient table, come back with ``skip`` set to the reason.
     """
     filters = filters or {}
     runs = []
@@ -386,8 +429,11 @@ def query_runs(layout, *, participants=None, sessions=None, datatypes=("dwi", "f
                       metadata=dict(layout.get_metadata(str(path))))
             if "echo" in entities:
                 run.skip = "multi-echo runs are not denoised yet (echoes must be denoised jointly)"
-            elif "part" in entities:
-                run.skip = "magnitude/phase (part-) runs are not denoised yet (complex denoising is not supported)"
+            elif "part" in entities and entities["part"] not in PARTS:
+                run.skip = (f"part-{entities['part']} runs are not denoised (complex data are denoised from "
+                            "part-mag and part-phase pairs)")
+            elif entities.get("part") == "phase":
+                pass  # denoised with its magnitude, with the magnitude's gradient table
             elif datatype == "dwi":
                 bval, bvec = layout.get_bval(str(path)), layout.get_bvec(str(path))
                 if not bval or not bvec:
@@ -396,7 +442,51 @@ def query_runs(layout, *, participants=None, sessions=None, datatypes=("dwi", "f
                     run.bval, run.bvec = Path(bval), Path(bvec)
             runs.append(run)
     runs.sort(key=lambda run: run.relpath)
-    return runs
+    return pair_parts(runs)
+
+
+def pair_parts(runs) -> list:
+    """``runs`` with each ``part-mag`` run paired with the ``part-phase`` run of the same datatype and every other
+    entity the same: the magnitude run carries it as ``phase`` (one complex series to denoise) and the phase run
+    is no longer listed. A ``part-mag`` run without its phase is denoised as a magnitude series (``note`` says
+    so); a ``part-phase`` run without its magnitude gets ``skip``. So does a pair whose maps, named once for the
+    pair without ``part`` (``derivative_names``), would take another run's map names."""
+    def pair_key(run):
+        return run.datatype, run.suffix, tuple(sorted((k, str(v)) for k, v in run.entities.items() if k != "part"))
+
+    parts = {}  # pair key -> {"mag": run, "phase": run}
+    for run in runs:
+        if run.entities.get("part") in PARTS and "echo" not in run.entities:
+            parts.setdefault(pair_key(run), {})[run.entities["part"]] = run
+    kept = []
+    for run in runs:
+        part = run.entities.get("part") if run.skip is None else None
+        if part == "mag":
+            run.phase = parts[pair_key(run)].get("phase")
+            if run.phase is None:
+                run.note = ("no part-phase run with the same entities was selected: denoised as a magnitude "
+                            "series, without its phase")
+        elif part == "phase":
+            magnitude = parts[pair_key(run)].get("mag")
+            if magnitude is None:
+                run.skip = "no part-mag run with the same entities was selected (a phase alone is not denoised)"
+            elif magnitude.skip is not None:
+                run.skip = f"its part-mag run {magnitude.name} is skipped"
+            else:
+                continue  # denoised with its magnitude
+        kept.append(run)
+    # the maps of a pair are named without part: they must not take the names of another run's
+    owners = {}
+    for run in kept:
+        if run.skip is None:
+            owners.setdefault(derivative_names(run.relpath, run.phase_relpath)["noise"], []).append(run)
+    for clashing in (group for group in owners.values() if len(group) > 1):
+        for run in clashing:
+            if run.phase is not None:
+                others = ", ".join(other.name for other in clashing if other is not run)
+                run.skip = (f"its noise and rank maps, named once for the pair with {run.phase.name} (without "
+                            f"part-), would take the names of {others}'s")
+    return kept
 
 
 # ------------------------------------------------------------------------------------ dataset-level files
@@ -472,6 +562,8 @@ Each DWI and BOLD run of the source dataset, denoised by Marchenko-Pastur PCA:
 - `*_desc-denoised_<dwi|bold>.nii.gz` and `.json`: the denoised series; the sidecar carries the source's
   metadata forward and records every parameter, the backend and device, library versions, timings, noise
   and rank summaries and the input's sha256 under `MPPCADenoising`.
+- `*_part-mag_desc-denoised_*` and `*_part-phase_desc-denoised_*`: a magnitude/phase pair, denoised as one
+  complex series (the phase in radians); its maps and gradient table are named once, without `part-`.
 - `*_dwi.bval` / `*_dwi.bvec`: the gradient table (applies to the denoised series by BIDS inheritance).
 - `*_desc-noise_<dwi|bold>map.nii.gz`, `*_desc-rank_<dwi|bold>map.nii.gz`: noise standard deviation and
   number of signal components (BIDS has no suffix for these; listed in `.bidsignore`).
@@ -497,6 +589,11 @@ class _DerivativesSinkInputSpec(BaseInterfaceInputSpec):
     figures = traits.List(File(exists=True), desc="QC figures named <kind>.png (reports.RunReport)")
     noise_source = traits.Str(desc="the given noise map as a BIDS URI (``noise_uri``): added to the sidecar's "
                                    "Sources and to its provenance as NoiseInSource")
+    phase_source_file = traits.Str(desc="the raw part-phase run paired with source_file, relative to BIDS_DIR "
+                                        "(POSIX): the pair's derivatives are named as derivative_names names them")
+    phase_file = File(exists=True, desc="with phase_source_file: the denoised phase (radians)")
+    phase_metadata = traits.Dict(desc="with phase_source_file: the phase run's metadata, carried forward into the "
+                                      "denoised phase's sidecar")
 
 
 class _DerivativesSinkOutputSpec(TraitedSpec):
@@ -516,8 +613,10 @@ class DerivativesSink(SimpleInterface):
 
     def _run_interface(self, runtime):
         root = Path(self.inputs.output_dir)
-        names = derivative_names(self.inputs.source_file)
-        sources = [raw_uri(self.inputs.source_file)]
+        phase_source = self.inputs.phase_source_file if isdefined(self.inputs.phase_source_file) else None
+        names = derivative_names(self.inputs.source_file, phase_source)
+        # the pair's files derive from both parts: each part's own raw run first (reports.write_subject_report)
+        sources = [raw_uri(self.inputs.source_file), *([raw_uri(phase_source)] if phase_source else [])]
         sidecar = json.loads(Path(self.inputs.sidecar_file).read_text())
         provenance = sidecar.pop("MPPCADenoising", None)
         given = ((provenance or {}).get("EngineInfo") or {}).get("noise") == "given"
@@ -526,19 +625,26 @@ class DerivativesSink(SimpleInterface):
             if provenance is not None:
                 provenance["NoiseInSource"] = self.inputs.noise_source
         sidecar.update({"Sources": sources,
-                        "Description": "Denoised by Marchenko-Pastur PCA (MP-PCA); see logs/CITATION.md",
+                        "Description": DESCRIPTIONS["magnitude" if phase_source else "denoised"],
                         "SkullStripped": False, "MPPCADenoising": provenance})
+        noise_description = (GIVEN_NOISE_DESCRIPTION if given else COMPLEX_NOISE_DESCRIPTION if phase_source
+                             else MAPS["noise"][2])
         # what goes where: (key, a file to copy or JSON to write); the denoised series comes last, so a
         # run whose series is there has all its files
         contents = [("noise", self.inputs.noise_file), ("rank", self.inputs.rank_file),
-                    ("noise_json", {"Description": GIVEN_NOISE_DESCRIPTION if given else MAPS["noise"][2],
-                                    "Sources": sources}),
+                    ("noise_json", {"Description": noise_description, "Sources": sources}),
                     ("rank_json", {"Description": MAPS["rank"][2], "Sources": sources})]
         if "bval" in names and isdefined(self.inputs.bval) and isdefined(self.inputs.bvec):
             contents += [("bval", self.inputs.bval), ("bvec", self.inputs.bvec)]
         if isdefined(self.inputs.figures):  # QC figures <kind>.png from reports.RunReport
             names.update(report_names(self.inputs.source_file))
             contents += [(Path(figure).stem, figure) for figure in self.inputs.figures]
+        if phase_source:
+            metadata = dict(self.inputs.phase_metadata) if isdefined(self.inputs.phase_metadata) else {}
+            phase_sidecar = {**metadata, "Units": "rad", "Sources": [sources[1], sources[0], *sources[2:]],
+                             "Description": DESCRIPTIONS["phase"], "SkullStripped": False,
+                             "MPPCADenoising": provenance}
+            contents += [("phase_json", phase_sidecar), ("phase", self.inputs.phase_file)]
         contents += [("denoised_json", sidecar), ("denoised", self.inputs.in_file)]
 
         # stage every file beside its destination, then rename them all at once (SIGTERM held off):

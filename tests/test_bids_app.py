@@ -6,17 +6,20 @@ import contextlib
 import hashlib
 import io
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import nibabel as nib
 import numpy as np
 import pytest
 
-from bids_helpers import N_DWI, SHAPE, checksums, make_dataset, read_json, validator_errors
-from mppca_nipype import __version__, denoise
+from bids_helpers import N_BOLD, N_DWI, SHAPE, checksums, make_dataset, read_json, validator_errors
+from mppca_nipype import __version__, denoise, denoise_complex
+from mppca_nipype.bids import SERIES, Run, derivative_names, pair_parts
 from mppca_nipype.engine import DEFAULTS
 from mppca_nipype.cli.bids_app import EXIT, main
 from mppca_nipype.demo import write_series
+from mppca_nipype.io import write_json_atomic
+from mppca_nipype.phantoms import complex_dwi_phantom
 
 FAST = ["--nprocs", "1", "--device", "cpu"]
 
@@ -207,18 +210,204 @@ def test_bids_filter_file_selects_runs(dataset, tmp_path, capsys):
     assert produced(tmp_path / "out") == expected_outputs(subjects=("01",), datatypes=("func",), runs=(2,))
 
 
-def test_multi_echo_and_part_runs_are_listed_and_skipped(tmp_path, capsys):
+def test_multi_echo_and_real_imaginary_runs_are_listed_and_skipped(tmp_path, capsys):
     root = make_dataset(tmp_path / "bids", subjects=("01",))
     func = root / "sub-01/ses-1/func"
     data = nib.load(func / "sub-01_ses-1_task-rest_run-1_bold.nii.gz").get_fdata(dtype=np.float32)
-    for name in ("task-me_echo-1", "task-me_echo-2", "task-cx_part-mag"):
+    for name in ("task-me_echo-1", "task-me_echo-2", "task-cx_part-real", "task-cx_part-imag"):
         write_series(func / f"sub-01_ses-1_{name}_bold.nii.gz", data, repetition_time=2.0)
     status, _, err = run_app(capsys, root, tmp_path / "out", "participant", "--datatype", "func",
                              "--skip-bids-validation", *FAST)
     assert status == 0, err
     assert "skipping sub-01/ses-1/func/sub-01_ses-1_task-me_echo-1_bold.nii.gz: multi-echo" in err
-    assert "skipping sub-01/ses-1/func/sub-01_ses-1_task-cx_part-mag_bold.nii.gz: magnitude/phase" in err
+    assert ("skipping sub-01/ses-1/func/sub-01_ses-1_task-cx_part-real_bold.nii.gz: part-real runs are not denoised "
+            "(complex data are denoised from part-mag and part-phase pairs)") in err
     assert produced(tmp_path / "out") == expected_outputs(subjects=("01",), datatypes=("func",))
+
+
+# --------------------------------------------------------------------------------- magnitude/phase pairs
+
+#: The complex runs ``complex_dataset`` adds in ses-2 of sub-01, as names with the part left to fill in: a DWI
+#: pair and a BOLD pair, a phase without its magnitude and a magnitude without its phase.
+DWI_PAIR = "sub-01/ses-2/dwi/sub-01_ses-2_part-{}_dwi.nii.gz"
+BOLD_PAIR = "sub-01/ses-2/func/sub-01_ses-2_task-cx_part-{}_bold.nii.gz"
+LONE_PHASE = "sub-01/ses-2/func/sub-01_ses-2_task-lone_part-{}_bold.nii.gz"
+LONE_MAGNITUDE = "sub-01/ses-2/func/sub-01_ses-2_task-solo_part-{}_bold.nii.gz"
+
+
+def pair_names(pair):
+    """``derivative_names`` of a pair given as one of the names above."""
+    return derivative_names(pair.format("mag"), pair.format("phase"))
+
+
+def pair_files(stem, suffix):
+    """The derivatives of the pair ``<stem>_part-mag/phase_<suffix>``: both parts, the maps and gradient table
+    once, without part."""
+    names = [f"{stem}_part-{part}_desc-denoised_{suffix}.{ending}" for part in ("mag", "phase")
+             for ending in ("nii.gz", "json")]
+    names += [f"{stem}_desc-{kind}_{suffix}map.{ending}" for kind in ("noise", "rank") for ending in ("nii.gz", "json")]
+    return names + ([f"{stem}_dwi.bval", f"{stem}_dwi.bvec"] if suffix == "dwi" else [])
+
+
+@pytest.fixture(scope="module")
+def complex_dataset(tmp_path_factory):
+    """sub-01 of ``make_dataset`` with, in ses-2, complex phantoms saved as magnitude and phase (radians, with the
+    ``Units`` BIDS asks of a phase); their gradient table is the dataset's (inherited)."""
+    root = make_dataset(tmp_path_factory.mktemp("raw") / "bids", subjects=("01",))
+    series = {"dwi": complex_dwi_phantom(SHAPE, N_DWI, sigma=50.0, seed=3),
+              "bold": complex_dwi_phantom(SHAPE, N_BOLD, sigma=50.0, seed=4)}
+    runs = [(DWI_PAIR, "dwi", ("mag", "phase")), (BOLD_PAIR, "bold", ("mag", "phase")),
+            (LONE_PHASE, "bold", ("phase",)), (LONE_MAGNITUDE, "bold", ("mag",))]
+    for name, kind, parts in runs:
+        magnitude, phase = series[kind][:2]
+        for part in parts:
+            write_series(root / name.format(part), phase if part == "phase" else magnitude,
+                         repetition_time=2.0 if kind == "bold" else None)
+            if part == "phase":
+                write_json_atomic(root / name.format(part).replace(".nii.gz", ".json"), {"Units": "rad"})
+    for task in ("cx", "lone", "solo"):
+        write_json_atomic(root / f"task-{task}_bold.json", {"TaskName": task, "RepetitionTime": 2.0})
+    return root, checksums(root)
+
+
+@pytest.fixture(scope="module")
+def complex_run(complex_dataset, tmp_path_factory):
+    """The app on ses-2 of the complex dataset (validation of the input included)."""
+    bids_dir, _ = complex_dataset
+    output_dir = tmp_path_factory.mktemp("out") / "derivatives"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stopped:
+        main([str(bids_dir), str(output_dir), "participant", "--session-label", "2", *FAST])
+    return output_dir, stopped.value.code, err.getvalue()
+
+
+def test_a_magnitude_phase_pair_is_denoised_into_both_parts(complex_run):
+    output_dir, status, err = complex_run
+    assert status == EXIT["ok"], err
+    expected = [f"sub-01/ses-2/dwi/{name}" for name in pair_files("sub-01_ses-2", "dwi")]
+    expected += [f"sub-01/ses-2/func/{name}" for name in pair_files("sub-01_ses-2_task-cx", "bold")]
+    expected += [f"sub-01/ses-2/func/{name}" for name in run_files("sub-01_ses-2_task-solo_part-mag", "bold")]
+    assert produced(output_dir) == sorted(expected + [".bidsignore", "README.md", "dataset_description.json",
+                                                      "logs/CITATION.md"])
+    assert "denoising 3 runs (bold, dwi; 2 magnitude/phase pairs as complex data)" in err
+    assert "[3/3] denoised" in err
+
+
+def test_the_pairs_outputs_pass_the_bids_validator(complex_run):
+    assert complex_run[1] == 0
+    assert validator_errors(complex_run[0]) == []
+
+
+def test_the_pairs_magnitude_phase_and_noise_are_what_denoise_complex_gives(complex_dataset, complex_run):
+    bids_dir, _ = complex_dataset
+    output_dir = complex_run[0]
+    for pair in (DWI_PAIR, BOLD_PAIR):
+        magnitude, phase = (nib.load(bids_dir / pair.format(part)).get_fdata(dtype=np.float32)
+                            for part in ("mag", "phase"))
+        expected = denoise_complex(magnitude, phase, device="cpu", nprocs=1)
+        written = {key: nib.load(output_dir / pair_names(pair)[key]).get_fdata() for key in ("denoised", "phase",
+                                                                                             "noise")}
+        np.testing.assert_allclose(written["denoised"], expected.denoised, rtol=0, atol=1e-3)
+        assert np.abs(np.angle(np.exp(1j * (written["phase"] - expected.phase)))).max() < 1e-5  # modulo 2 pi
+        np.testing.assert_allclose(written["noise"], expected.sigma, rtol=0, atol=1e-4)
+
+
+def test_the_pairs_sidecars_record_both_sources_the_phase_method_and_the_noise_model(complex_dataset, complex_run):
+    bids_dir, _ = complex_dataset
+    names = pair_names(BOLD_PAIR)
+    magnitude, phase = (read_json(complex_run[0] / names[key]) for key in ("denoised_json", "phase_json"))
+    raw = [f"bids:raw:{BOLD_PAIR.format(part)}" for part in ("mag", "phase")]
+    assert magnitude["Sources"] == raw and phase["Sources"] == raw[::-1]
+    assert phase["Units"] == "rad" and phase["TaskName"] == "cx" and phase["SkullStripped"] is False
+    assert phase["MPPCADenoising"] == magnitude["MPPCADenoising"]
+    provenance = magnitude["MPPCADenoising"]
+    assert provenance["Parameters"]["phase_method"] == "hann"
+    assert provenance["Parameters"]["phase_file"] == "sub-01_ses-2_task-cx_part-phase_bold.nii.gz"
+    assert (provenance["Parameters"]["noise_floor"], provenance["Parameters"]["coils"]) == ("none", 1)
+    assert provenance["EngineInfo"]["phase_method"] == "hann" and provenance["EngineInfo"]["noise"] == "estimated"
+    assert provenance["PhaseSHA256"] == hashlib.sha256((bids_dir / BOLD_PAIR.format("phase")).read_bytes()).hexdigest()
+    noise = read_json(complex_run[0] / names["noise_json"])
+    assert noise["Sources"] == raw and "real channel" in noise["Description"]
+    citation = (complex_run[0] / "logs" / "CITATION.md").read_text()
+    assert "denoised as one complex series" in citation and "Eichner" in citation
+
+
+def test_a_phase_without_its_magnitude_is_skipped_and_a_magnitude_without_its_phase_denoised_alone(complex_run):
+    output_dir, status, err = complex_run
+    assert status == 0, err
+    assert (f"skipping {LONE_PHASE.format('phase')}: no part-mag run with the same entities was selected (a phase "
+            "alone is not denoised)") in err
+    assert (f"{LONE_MAGNITUDE.format('mag')}: no part-phase run with the same entities was selected: denoised as a "
+            "magnitude series") in err
+    provenance = read_json(output_dir / derivative_names(LONE_MAGNITUDE.format("mag"))["denoised_json"])[
+        "MPPCADenoising"]
+    assert "phase_method" not in provenance["Parameters"] and "phase_method" not in provenance["EngineInfo"]
+
+
+def test_the_complex_input_dataset_is_unchanged(complex_dataset, complex_run):
+    bids_dir, before = complex_dataset
+    assert complex_run[1] == 0
+    assert checksums(bids_dir) == before
+
+
+def test_phase_method_and_a_given_noise_map_reach_the_pair(complex_dataset, complex_run, tmp_path, capsys):
+    """``--phase-method mppca`` denoises the pair as ``denoise_complex`` does with it, and ``--noise-in DIR`` finds
+    the pair's noise map under the name given once for both parts."""
+    bids_dir, before = complex_dataset
+    status, _, err = run_app(capsys, bids_dir, tmp_path / "out", "participant", "--session-label", "2",
+                             "--datatype", "dwi", "--phase-method", "mppca", "--noise-in", complex_run[0],
+                             "--skip-bids-validation", *FAST)
+    assert status == 0, err
+    names = pair_names(DWI_PAIR)
+    sigma = nib.load(complex_run[0] / names["noise"]).get_fdata()
+    magnitude, phase = (nib.load(bids_dir / DWI_PAIR.format(part)).get_fdata(dtype=np.float32)
+                        for part in ("mag", "phase"))
+    expected = denoise_complex(magnitude, phase, phase_method="mppca", noise=sigma, device="cpu", nprocs=1)
+    np.testing.assert_allclose(nib.load(tmp_path / "out" / names["denoised"]).get_fdata(), expected.denoised,
+                               rtol=0, atol=1e-3)
+    sidecar = read_json(tmp_path / "out" / names["phase_json"])
+    provenance = sidecar["MPPCADenoising"]
+    assert provenance["Parameters"]["phase_method"] == "mppca" and provenance["EngineInfo"]["noise"] == "given"
+    assert provenance["NoiseInSource"] == "bids:noise:sub-01/ses-2/dwi/sub-01_ses-2_desc-noise_dwimap.nii.gz"
+    assert sidecar["Sources"][2] == provenance["NoiseInSource"]
+    assert "first denoised by MP-PCA" in (tmp_path / "out" / "logs" / "CITATION.md").read_text()
+    assert checksums(bids_dir) == before
+
+
+def run_record(relpath, **fields):
+    """A ``bids.Run`` of the raw file ``relpath`` with the entities its name gives."""
+    name = PurePosixPath(relpath).name
+    entities = dict(part.split("-", 1) for part in name.split("_")[:-1])
+    entities = {{"sub": "subject", "ses": "session", "acq": "acquisition"}.get(k, k): v for k, v in entities.items()}
+    datatype = PurePosixPath(relpath).parent.name
+    return Run(path=Path(relpath), relpath=relpath, datatype=datatype, suffix=SERIES[datatype], entities=entities,
+               **fields)
+
+
+def test_a_pair_whose_maps_would_take_another_runs_names_is_skipped():
+    plain, magnitude, phase = (run_record(f"sub-01/dwi/sub-01_{part}dwi.nii.gz") for part in
+                               ("", "part-mag_", "part-phase_"))
+    runs = pair_parts([plain, magnitude, phase])
+    assert runs == [plain, magnitude] and magnitude.phase is phase and plain.skip is None
+    assert magnitude.skip == ("its noise and rank maps, named once for the pair with sub-01_part-phase_dwi.nii.gz "
+                              "(without part-), would take the names of sub-01_dwi.nii.gz's")
+
+
+def test_a_phase_whose_magnitude_is_skipped_is_skipped_with_it():
+    magnitude = run_record("sub-01/dwi/sub-01_part-mag_dwi.nii.gz", skip="no .bval/.bvec found for it")
+    phase = run_record("sub-01/dwi/sub-01_part-phase_dwi.nii.gz")
+    assert pair_parts([magnitude, phase]) == [magnitude, phase]
+    assert phase.skip == "its part-mag run sub-01_part-mag_dwi.nii.gz is skipped" and magnitude.phase is None
+
+
+def test_the_pairs_names_come_from_the_one_naming_function():
+    names = derivative_names("sub-01/func/sub-01_task-x_part-mag_bold.nii",
+                             "sub-01/func/sub-01_task-x_part-phase_bold.nii.gz")
+    assert names["denoised"] == "sub-01/func/sub-01_task-x_part-mag_desc-denoised_bold.nii"
+    assert names["phase"] == "sub-01/func/sub-01_task-x_part-phase_desc-denoised_bold.nii"  # the node's format
+    assert names["noise"] == "sub-01/func/sub-01_task-x_desc-noise_boldmap.nii"
+    alone = derivative_names("sub-01/func/sub-01_task-x_part-mag_bold.nii")
+    assert "phase" not in alone and alone["noise"] == "sub-01/func/sub-01_task-x_part-mag_desc-noise_boldmap.nii"
 
 
 # ---------------------------------------------------------------------------------------------- failures

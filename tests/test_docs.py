@@ -93,6 +93,9 @@ def test_the_outputs_page_names_what_bids_py_names():
     source = "sub-01/ses-1/func/sub-01_ses-1_task-rest_run-1_bold.nii.gz"
     for name in [*derivative_names(source).values(), *report_names(source).values()]:
         assert name in text, f"outputs.md does not show {name}"
+    pair = [f"sub-01/func/sub-01_task-rest_part-{part}_bold.nii.gz" for part in ("mag", "phase")]
+    for name in derivative_names(*pair).values():
+        assert name.removesuffix(".json").removesuffix(".nii.gz") in text, f"outputs.md does not show {name}"
     for pattern in BIDSIGNORE:
         assert f"`{pattern}`" in text
 

@@ -23,7 +23,8 @@ import warnings
 
 from ..engine import DEVICES, MPPCAInputError, available_cpus
 from .common import (add_denoising_options, add_filter_option, add_gpu_memory_option, add_noise_floor_options,
-                     add_version_option, exit_interrupted, fail, noise_floor_options, noise_floor_problem, positive_int, say)
+                     add_phase_method_option, add_version_option, exit_interrupted, fail, noise_floor_options,
+                     noise_floor_problem, positive_int, say)
 
 PROG = "mppca-nipype"
 
@@ -35,7 +36,8 @@ DESCRIPTION = """\
 Denoise every DWI and BOLD run of a BIDS dataset by Marchenko-Pastur PCA (MP-PCA; Veraart et al. 2016,
 Cordero-Grande et al. 2019) and write a BIDS derivative dataset: per run the denoised series
 (*_desc-denoised_<dwi|bold>.nii.gz) with a JSON sidecar holding its provenance, .bval/.bvec for DWI, noise
-and rank maps, and logs/CITATION.md. BIDS_DIR is never written to.
+and rank maps, and logs/CITATION.md. A magnitude/phase pair (part-mag and part-phase runs) is denoised as one
+complex series and written as both parts. BIDS_DIR is never written to.
 
 First time? Try:  mppca-nipype --demo ./mppca-demo"""
 
@@ -181,6 +183,8 @@ def build_parser():
                                 "(docs/usage.md)")
     add_filter_option(denoising)
     add_noise_floor_options(denoising)
+    add_phase_method_option(denoising, what="a magnitude/phase pair (part-mag and part-phase runs, denoised as "
+                                            "one complex series, with no noise floor)")
     parser.add_argument("--reports", action=argparse.BooleanOptionalAction, default=True,
                         help="write a QC report per subject (sub-<label>.html, figures under "
                              "sub-<label>/figures/) (default: on)")
@@ -465,8 +469,17 @@ def finish_run(args, bids_dir, filters, output_dir, work_dir, use_gpu, worker, n
         check_noise_maps(todo, args.noise_in)
     for run_ in skipped:
         say(f"{PROG}: warning: skipping {run_.relpath}: {run_.skip}")
+    for run_ in todo:
+        if run_.note:
+            note(f"{run_.relpath}: {run_.note}")
+    pairs = sum(run_.phase is not None for run_ in todo)
+    if pairs and args.noise_floor != "none":
+        note(f"--noise-floor {args.noise_floor} applies to the runs without a phase; a magnitude/phase pair is "
+             "denoised through its phase-demodulated real part, with no floor to remove")
     note(f"denoising {len(todo)} run{'s' if len(todo) > 1 else ''} "
-         f"({', '.join(sorted({r.suffix for r in todo}))}) into {output_dir}")
+         f"({', '.join(sorted({r.suffix for r in todo}))}"
+         f"{f'; {pairs} magnitude/phase pair' + ('s' if pairs > 1 else '') + ' as complex data' if pairs else ''}) "
+         f"into {output_dir}")
 
     with ExitStack() as locks:  # this run's runs are ours alone until done (other runs may share OUTPUT_DIR)
         from ..bids import output_lock
@@ -524,7 +537,7 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
     workflow = init_bids_wf(todo, bids_dir=bids_dir, output_dir=output_dir, extent=args.extent,
                             stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
                             demean=args.demean, filter=args.filter, num_threads=nprocs, reports=args.reports, noise_in=args.noise_in,
-                            gpu_memory=args.gpu_memory, **noise_floor_options(args),
+                            gpu_memory=args.gpu_memory, **noise_floor_options(args), phase_method=args.phase_method,
                             # auto: each run on the GPU where it would finish first (engine.costs)
                             use_gpu=None if use_gpu and args.device == "auto" else use_gpu)
     workflow.base_dir = str(work_dir)
@@ -587,7 +600,7 @@ def _report_runs(todo, output_dir, note):
     from ..bids import derivative_names
 
     for run_ in todo:
-        sidecar = output_dir / derivative_names(run_.relpath)["denoised_json"]
+        sidecar = output_dir / derivative_names(run_.relpath, run_.phase_relpath)["denoised_json"]
         try:
             provenance = json.loads(sidecar.read_text())["MPPCADenoising"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -597,6 +610,8 @@ def _report_runs(todo, output_dir, note):
         where = provenance["Backend"]
         if provenance["Device"] != where:
             where += f" on {provenance['Device']}"
+        if run_.phase is not None:
+            where = f"complex, phase by {provenance['Parameters']['phase_method']}; {where}"
         note(f"{run_.name}: median noise {provenance['NoiseMedian']:.4g}, median rank "
              f"{provenance['RankMedian']:.3g} ({where}, {provenance['WallTimeSeconds']:.1f} s)")
 

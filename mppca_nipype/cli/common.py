@@ -328,10 +328,19 @@ def noise_floor_options(args) -> dict:
     return dict(noise_floor=args.noise_floor, coils=args.coils or 1)
 
 
-def add_phase_options(parser) -> None:
-    """``--phase``, ``--phase-out`` and ``--phase-method`` of ``mppca-denoise``; ``phase_problem`` checks them."""
+def add_phase_method_option(parser, *, what="the complex series") -> None:
+    """``--phase-method`` of the commands that denoise complex data (``mppca-denoise``, ``mppca-nipype``);
+    ``what`` names the data it applies to in the help."""
     from ..engine.complex_data import PHASE_METHODS
 
+    parser.add_argument("--phase-method", choices=PHASE_METHODS, default=PHASE_METHODS[0],
+                        help=f"how the background phase of {what} is estimated: hann, a 2D Hann low-pass of each "
+                             "slice in k-space; mppca, the same of the complex series first denoised by MP-PCA (a "
+                             "second pass, over 2T volumes; less noise in the phase) (default: %(default)s)")
+
+
+def add_phase_options(parser) -> None:
+    """``--phase``, ``--phase-out`` and ``--phase-method`` of ``mppca-denoise``; ``phase_problem`` checks them."""
     parser.add_argument("--phase", metavar="FILE",
                         help="the phase of IN (IN is then the magnitude of a complex series), 4D on IN's grid, in "
                              "radians or the scanner's whole-number units ([-4096, 4095] or [0, 4095], detected): "
@@ -339,10 +348,7 @@ def add_phase_options(parser) -> None:
                              "noise and no magnitude floor (docs/options.md)")
     parser.add_argument("--phase-out", metavar="FILE",
                         help="with --phase: also write the phase of the denoised complex series, in radians")
-    parser.add_argument("--phase-method", choices=PHASE_METHODS, default=PHASE_METHODS[0],
-                        help="how the background phase is estimated: hann, a 2D Hann low-pass of each slice in "
-                             "k-space; mppca, the same of the complex series first denoised by MP-PCA (a second "
-                             "pass, over 2T volumes; less noise in the phase) (default: %(default)s)")
+    add_phase_method_option(parser, what="the complex series (--phase, or a complex IN)")
 
 
 def phase_problem(args) -> str | None:

@@ -11,6 +11,7 @@ from nipype.interfaces.utility import IdentityInterface
 from nipype.pipeline import engine as pe
 
 from ..engine import DEFAULTS
+from ..engine.complex_data import PHASE_METHODS, PHASE_PASSES, PHASE_WIDTH
 from ..interfaces import MPPCADenoise, gpu_probably_usable
 
 REFERENCES = """\
@@ -27,6 +28,12 @@ NOISE_FLOOR_REFERENCES = """\
   MR signals. J Magn Reson 179(2):317-322. doi:10.1016/j.jmr.2006.01.016
 - Foi A (2011). Noise estimation and removal in MR imaging: the variance-stabilization approach. IEEE ISBI
   2011:1809-1814. doi:10.1109/ISBI.2011.5872758
+"""
+
+#: Cited when complex data (a magnitude with its phase) are denoised.
+COMPLEX_REFERENCES = """\
+- Eichner C, Cauley SF, Cohen-Adad J, et al. (2015). Real diffusion-weighted MRI enabling true signal
+  averaging and increased diffusion contrast. NeuroImage 122:373-384. doi:10.1016/j.neuroimage.2015.07.074
 """
 
 #: Cited when a filter other than ``hard`` is used.
@@ -60,10 +67,13 @@ _FILTER_TEXT = {
 
 def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise_in=None,
-                 noise_floor="none", coils=1, what="series", filter=DEFAULTS["filter"]) -> str:  # noqa: A002
+                 noise_floor="none", coils=1, what="series", filter=DEFAULTS["filter"],  # noqa: A002
+                 phase_method=None) -> str:
     """The methods paragraph for the given parameters (Markdown, with citations). ``noise_in``: None (the
     noise estimated per patch), a number (one given sigma) or "maps" (a given map per series);
-    ``noise_floor`` and ``coils`` as for :func:`mppca_nipype.denoise`."""
+    ``noise_floor`` and ``coils`` as for :func:`mppca_nipype.denoise`; ``phase_method``: how the background
+    phase of the series saved with their phase was estimated (:func:`mppca_nipype.denoise_complex`), None
+    when none was."""
     from .. import __version__
 
     if extent == "auto":
@@ -95,16 +105,28 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
                  else f"a non-central chi distribution with {2 * coils} degrees of freedom ({coils} channels)")
         source = ("given" if noise_in is not None
                   else "estimated by a first MP-PCA pass and corrected for the magnitude's narrower spread")
-        floor = (f" The magnitude noise floor was modelled as {model} ([@koay2006]): before denoising, each "
+        floor = (f" The magnitude noise floor{' of the series without a phase' if phase_method else ''} was "
+                 f"modelled as {model} ([@koay2006]): before denoising, each "
                  f"magnitude divided by the channels' noise level ({source}) was mapped by a "
                  f"variance-stabilising transform ([@foi2011]), and the denoised values were mapped back to the "
                  f"signal by the exact unbiased inverse of that transform's expected value.")
+    complex_data = ""
+    if phase_method is not None:
+        first = (" of the complex series first denoised by MP-PCA (its real and imaginary parts as one series of "
+                 "twice the volumes)" if phase_method == "mppca" else "")
+        complex_data = (f" Where the phase was saved with the magnitude, the two were denoised as one complex "
+                        f"series: its smooth background phase was estimated in each slice and volume as the angle "
+                        f"of a 2D Hann low-pass filter in k-space{first} (over the central {PHASE_WIDTH:g} of "
+                        f"each in-plane axis, {PHASE_PASSES} passes; [@eichner2015]) and removed, and the real "
+                        f"part of the demodulated series, whose noise is Gaussian with no magnitude floor, was "
+                        f"denoised as above; the denoised magnitude is its positive part, the denoised phase that "
+                        f"of the denoised complex series, and the noise map the noise level of each real channel.")
     return (
         f"The {what} were denoised with Marchenko-Pastur principal component analysis (MP-PCA; "
         f"[@veraart2016]) using mppca-nipype {__version__}. Local patches ({size}) were placed {grid}; "
         f"for each patch, the eigenvalues of the voxel-by-volume matrix{demeaning} were {split}, and "
         f"{_FILTER_TEXT[filter]}; {_AGGREGATION_TEXT[aggregation]}. Maps of {maps} and of the number of "
-        f"signal components were saved with the denoised data.{floor}\n"
+        f"signal components were saved with the denoised data.{floor}{complex_data}\n"
     )
 
 
@@ -173,7 +195,8 @@ def sbatch_resources(node) -> str:
 def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
                   demean=DEFAULTS["demean"], filter=DEFAULTS["filter"], use_gpu=None,  # noqa: A002
-                  num_threads=1, shape=None, noise_in=None, gpu_memory=None, noise_floor="none", coils=1):
+                  num_threads=1, shape=None, noise_in=None, gpu_memory=None, noise_floor="none", coils=1,
+                  phase_method=None):
     """MP-PCA denoising of one 4D series.
 
     Parameters
@@ -197,11 +220,17 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         The most GPU memory the node's run may take (see :func:`mppca_nipype.denoise`).
     noise_floor, coils
         The magnitude noise floor to remove (see :func:`mppca_nipype.denoise`).
+    phase_method : {"hann", "mppca"}, optional
+        Given, ``in_file`` is the magnitude of a complex series whose phase comes through
+        ``inputnode.phase_file``: denoised by :func:`mppca_nipype.denoise_complex` with this way of estimating
+        the background phase (``noise_floor`` must be "none"). None: the series alone.
 
     Inputs (``inputnode``)
     ----------------------
     in_file
         The 4D series (NIfTI).
+    phase_file
+        With ``phase_method``: the phase of ``in_file`` (radians or the scanner's units).
     mask
         Optional mask of the voxels to denoise.
     noise_in
@@ -215,6 +244,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         The denoised series.
     noise, rank
         3D maps of the noise standard deviation and the number of signal components.
+    phase
+        With ``phase_method``: the phase of the denoised complex series (radians).
     provenance
         JSON: the provenance block (parameters, backend, device, versions, timings, summaries, checksum)
         under ``MPPCADenoising``, next to the input's metadata.
@@ -222,10 +253,11 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     workflow = pe.Workflow(name=name)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_in,
-                                     noise_floor=noise_floor, coils=coils, filter=filter)
-    workflow.__postdesc__ = references_text(noise_floor, filter)
-    inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in"]), name="inputnode")
-    outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "provenance"]),
+                                     noise_floor=noise_floor, coils=coils, filter=filter, phase_method=phase_method)
+    workflow.__postdesc__ = references_text(noise_floor, filter, complex_data=phase_method is not None)
+    inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in", "phase_file"]),
+                        name="inputnode")
+    outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "phase", "provenance"]),
                          name="outputnode")
     if use_gpu is None:  # where a GPU is usable, and (the shape known) it would finish first
         use_gpu = gpu_probably_usable() and (shape is None or gpu_finishes_first(shape, extent, stride,
@@ -238,7 +270,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     denoise = pe.Node(
         MPPCADenoise(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
                      demean=demean, filter=filter, noise_floor=noise_floor, coils=coils, use_gpu=use_gpu, num_threads=n_procs,
-                     **({} if gpu_memory is None else {"gpu_memory": str(gpu_memory)})),
+                     **({} if gpu_memory is None else {"gpu_memory": str(gpu_memory)}),
+                     **({} if phase_method is None else {"phase_method": phase_method})),
         name="denoise", n_procs=n_procs, **({} if mem_gb is None else {"mem_gb": mem_gb}))
     sidecar = pe.Node(_MetadataSidecar(), name="sidecar", run_without_submitting=True)
     workflow.connect([
@@ -248,6 +281,9 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         (denoise, outputnode, [("out_file", "denoised"), ("noise_file", "noise"), ("rank_file", "rank")]),
         (sidecar, outputnode, [("out_file", "provenance")]),
     ])
+    if phase_method is not None:
+        workflow.connect([(inputnode, denoise, [("phase_file", "phase_file")]),
+                          (denoise, outputnode, [("out_phase_file", "phase")])])
     return workflow
 
 
@@ -255,7 +291,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
                  stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
                  use_gpu=None, num_threads=1, reports=True, noise_in=None, gpu_memory=None, noise_floor="none",
-                 coils=1):
+                 coils=1, phase_method=PHASE_METHODS[0]):
     """Denoise the given BIDS runs and write them as derivatives of ``bids_dir`` into ``output_dir``.
 
     Parameters
@@ -271,6 +307,10 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     reports : bool
         Also make each run's QC figures (:class:`mppca_nipype.reports.RunReport`); the sink writes them under
         ``sub-<label>/figures/`` (the subject pages come from :func:`mppca_nipype.reports.write_subject_report`).
+    phase_method : {"hann", "mppca"}
+        How the background phase of a magnitude/phase pair (a run with ``phase``) is estimated: the pair is
+        denoised as one complex series, with no noise floor whatever ``noise_floor`` says (that applies to the
+        runs without a phase), and the sink writes both parts.
     other parameters
         As for :func:`init_mppca_wf`; applied to every run.
 
@@ -288,22 +328,37 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
         tuple(kinds), "diffusion-weighted and BOLD series")
     noise_maps = noise_in is not None and not isinstance(noise_in, (int, float))
     noise_kind = "maps" if noise_maps else noise_in
+    pairs = any(run.phase is not None for run in todo)
+    floor = noise_floor if any(run.phase is None for run in todo) else "none"  # (a pair has no floor)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_kind,
-                                     noise_floor=noise_floor, coils=coils, what=what, filter=filter)
-    workflow.__postdesc__ = references_text(noise_floor, filter)
+                                     noise_floor=floor, coils=coils, what=what, filter=filter,
+                                     phase_method=phase_method if pairs else None)
+    workflow.__postdesc__ = references_text(floor, filter, complex_data=pairs)
     for run in todo:
+        shape = _series_shape(run.path)
+        if run.phase is not None and shape is not None:
+            # a complex run holds about twice a magnitude run's arrays (the complex series, the background
+            # phase, the demodulated parts), and 'mppca' denoises 2T volumes first: sized as 2T volumes
+            shape = (*shape[:3], 2 * shape[3])
         run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
                                estimator=estimator, aggregation=aggregation, demean=demean, filter=filter,
-                               use_gpu=use_gpu, num_threads=num_threads, shape=_series_shape(run.path),
-                               noise_in=noise_kind, gpu_memory=gpu_memory, noise_floor=noise_floor,
-                               coils=coils)
+                               use_gpu=use_gpu, num_threads=num_threads, shape=shape,
+                               noise_in=noise_kind, gpu_memory=gpu_memory,
+                               noise_floor=noise_floor if run.phase is None else "none",
+                               coils=coils if run.phase is None else 1,
+                               phase_method=None if run.phase is None else phase_method)
         run_wf.inputs.inputnode.in_file = str(run.path)
         run_wf.inputs.inputnode.metadata = run.metadata
         sink = pe.Node(DerivativesSink(source_file=run.relpath, output_dir=str(output_dir)),
                        name=f"ds_{run.node_name}", run_without_submitting=True)
+        if run.phase is not None:
+            run_wf.inputs.inputnode.phase_file = str(run.phase.path)
+            sink.inputs.phase_source_file = run.phase.relpath
+            sink.inputs.phase_metadata = run.phase.metadata
+            workflow.connect([(run_wf, sink, [("outputnode.phase", "phase_file")])])
         if noise_maps:
-            noise_map = given_noise_map(run.relpath, noise_in)
+            noise_map = given_noise_map(run.relpath, noise_in, run.phase_relpath)
             run_wf.inputs.inputnode.noise_in = str(noise_map)
             sink.inputs.noise_source = noise_uri(noise_map, noise_in)
         elif noise_in is not None:
@@ -336,17 +391,18 @@ def _series_shape(path):
     return tuple(shape) if len(shape) == 4 else None
 
 
-def references_text(noise_floor="none", filter="hard") -> str:  # noqa: A002
+def references_text(noise_floor="none", filter="hard", complex_data=False) -> str:  # noqa: A002
     """The references section of a workflow's methods text."""
     return ("\n### References\n\n" + REFERENCES + (NOISE_FLOOR_REFERENCES if noise_floor != "none" else "")
-            + FILTER_REFERENCES.get(filter, ""))
+            + (COMPLEX_REFERENCES if complex_data else "") + FILTER_REFERENCES.get(filter, ""))
 
 
 def citation_text(workflow) -> str:
     """CITATION.md for a workflow built here: its methods paragraph and references."""
     return ("# Methods\n\n" + workflow.__desc__.replace("[@veraart2016]", "Veraart et al., 2016")
             .replace("[@cordero2019]", "Cordero-Grande et al., 2019").replace("[@koay2006]", "Koay and Basser, 2006")
-            .replace("[@foi2011]", "Foi, 2011") + workflow.__postdesc__)
+            .replace("[@foi2011]", "Foi, 2011").replace("[@eichner2015]", "Eichner et al., 2015")
+            + workflow.__postdesc__)
 
 
 # --- the small interface that joins the input's metadata and the provenance (kept next to its only user)
