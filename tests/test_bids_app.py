@@ -67,15 +67,20 @@ def dataset(tmp_path_factory):
     return root, checksums(root)
 
 
-@pytest.fixture(scope="module")
-def full_run(dataset, tmp_path_factory):
-    """The app on the whole dataset (validation of the input included), run once for several tests."""
-    bids_dir, _ = dataset
+def module_run(bids_dir, tmp_path_factory, *args):
+    """The app on ``bids_dir`` into a fresh OUTPUT_DIR, for a module-scoped fixture (no capsys there); returns
+    (OUTPUT_DIR, exit status, stderr)."""
     output_dir = tmp_path_factory.mktemp("out") / "derivatives"
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stopped:
-        main([str(bids_dir), str(output_dir), "participant", *FAST])
+        main([str(bids_dir), str(output_dir), "participant", *args, *FAST])
     return output_dir, stopped.value.code, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def full_run(dataset, tmp_path_factory):
+    """The app on the whole dataset (validation of the input included), run once for several tests."""
+    return module_run(dataset[0], tmp_path_factory)
 
 
 # ------------------------------------------------------------------------------------------ derivatives
@@ -273,12 +278,7 @@ def complex_dataset(tmp_path_factory):
 @pytest.fixture(scope="module")
 def complex_run(complex_dataset, tmp_path_factory):
     """The app on ses-2 of the complex dataset (validation of the input included)."""
-    bids_dir, _ = complex_dataset
-    output_dir = tmp_path_factory.mktemp("out") / "derivatives"
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stopped:
-        main([str(bids_dir), str(output_dir), "participant", "--session-label", "2", *FAST])
-    return output_dir, stopped.value.code, err.getvalue()
+    return module_run(complex_dataset[0], tmp_path_factory, "--session-label", "2")
 
 
 def test_a_magnitude_phase_pair_is_denoised_into_both_parts(complex_run):
