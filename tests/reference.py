@@ -153,21 +153,32 @@ def patch_spectrum(X):
     return eigenvalues, eigenvectors, time_side
 
 
-def denoise_patch(X, demean, estimator, given_sigma2=None, filter="hard"):
+def denoise_patch(X, demean, estimator, given_sigma2=None, filter="hard", groups=None):
     """MP-PCA of one patch: (X_hat, P, sigma^2); with ``given_sigma2``, P by ``given_noise_rank`` and that
     sigma^2. With a ``filter`` other than ``hard``, X_hat = X V diag(w) V^T (``filter_weights``) and P the
     number of weights above 0.
 
     ``demean``: "none"; "voxel" removes each row's mean (one degree of freedom less along time);
     "volume" removes each column's mean, the patch's mean time course (one less along the voxels).
+    ``groups`` (a label per volume): first each row's mean over each group's volumes is removed (G degrees of
+    freedom less along time, G the number of groups), then ``demean`` ("none" or "volume") on the rest.
     """
     n, T = X.shape
+    group_means, t_removed = np.zeros((1, 1)), 0
+    if groups is not None:
+        labels = np.asarray(groups)
+        group_means = np.zeros_like(X)
+        for label in np.unique(labels):
+            columns = labels == label
+            group_means[:, columns] = X[:, columns].mean(axis=1, keepdims=True)
+        X, t_removed = X - group_means, len(np.unique(labels))
     if demean == "voxel":
         means, n_eff, t_eff = X.mean(axis=1, keepdims=True), n, T - 1
     elif demean == "volume":
         means, n_eff, t_eff = X.mean(axis=0, keepdims=True), n - 1, T
     else:
         means, n_eff, t_eff = np.zeros((1, 1)), n, T
+    t_eff -= t_removed
     centred = X - means
     eigenvalues, eigenvectors, time_side = patch_spectrum(centred)
     if given_sigma2 is None:
@@ -185,13 +196,16 @@ def denoise_patch(X, demean, estimator, given_sigma2=None, filter="hard"):
         restored = centred @ top @ np.diag(w) @ top.T  # X V_P diag(w) V_P^T
     else:
         restored = top @ np.diag(w) @ top.T @ centred  # U_P diag(w) U_P^T X
-    return restored + means, P, sigma2
+    return restored + means + group_means, P, sigma2
 
 
 @threadpool_limits.wrap(limits=1)  # tiny matrices: BLAS threads would only fight over the cores
 def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, estimator, noise=None,
-                      filter="hard"):
+                      filter="hard", groups=None):
     """Denoise ``data`` (X, Y, Z, T) one patch at a time; return (denoised, sigma, rank), float64.
+
+    ``groups``: a label per volume; each voxel's mean over each group's volumes is removed first
+    (``denoise_patch``), and the ``weighted`` aggregation counts the G means among the patch's parameters.
 
     ``noise``: a given sigma, one number or an (X, Y, Z) map; a patch's sigma^2 is then the mean of the map's
     sigma^2 over its finite voxels where the map is positive and finite."""
@@ -200,7 +214,7 @@ def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, e
     mask = np.ones(shape3, dtype=bool) if mask is None else np.asarray(mask) != 0
     finite = np.isfinite(data).all(axis=3)
     extent = reference_extent(extent, shape3, T)
-    demeaned = demean != "none"
+    mean_parameters = (demean != "none") + (0 if groups is None else len(np.unique(groups)))
     assert aggregation != "center" or stride == 1
 
     image = np.zeros(data.shape)
@@ -215,7 +229,7 @@ def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, e
         elif noise is not None:
             values = [float(noise[v]) ** 2 for v in kept if np.isfinite(noise[v]) and noise[v] > 0]
             given_sigma2 = math.fsum(values) / len(values)
-        restored, P, sigma2 = denoise_patch(X, demean, estimator, given_sigma2, filter)
+        restored, P, sigma2 = denoise_patch(X, demean, estimator, given_sigma2, filter, groups)
         if aggregation == "center":
             row = kept.index(centre)
             image[centre] = restored[row]
@@ -223,7 +237,7 @@ def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, e
             sigma_sum[centre] = math.sqrt(sigma2)
             rank_sum[centre] = P
             continue
-        w = 1.0 / (1 + P + (1 if demeaned else 0)) if aggregation == "weighted" else 1.0
+        w = 1.0 / (1 + P + mean_parameters) if aggregation == "weighted" else 1.0
         for row, voxel in enumerate(kept):
             image[voxel] += w * restored[row]
             weight[voxel] += w

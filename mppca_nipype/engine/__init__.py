@@ -23,6 +23,7 @@ from . import costs
 from .backend import DenoiseOptions, GPUMemory, PatchSums, available_cpus
 from .errors import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, is_out_of_memory
 from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS, FILTERS
+from .groups import GROUP_DEMEANING, denoise_by_groups, shell_labels
 from .noise_floor import NOISE_FLOORS, check_noise_floor, denoise_magnitude
 from .layout import as_float32, empty_like_series, is_volume_major, planes_of_rows
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
@@ -30,7 +31,7 @@ from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 __all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "DenoiseOptions", "MPPCAInputError",
            "MPPCAWarning", "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "NOISE_STRIDE", "available_cpus",
            "check_device", "choose_device", "resolve_gpu_memory", "resolve_noise", "resolve_options",
-           "GPU_MEMORY_VARIABLE", "NOISE_FLOORS"]
+           "GPU_MEMORY_VARIABLE", "NOISE_FLOORS", "GROUP_DEMEANING", "shell_labels"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -81,10 +82,11 @@ def _check_choice(name, value, choices):
 
 
 def resolve_options(shape, *, extent, stride, estimator, aggregation, demean, noise=None,
-                    mask=None, filter="hard") -> DenoiseOptions:  # noqa: A002 - the option's name everywhere
+                    mask=None, filter="hard", removed_means=0) -> DenoiseOptions:  # noqa: A002
     """Check every option against the data's shape; raise MPPCAInputError with one sentence if wrong.
 
-    ``noise`` and ``mask`` as ``denoise`` takes them (``resolve_noise``).
+    ``noise`` and ``mask`` as ``denoise`` takes them (``resolve_noise``). ``removed_means``: the means per
+    voxel taken out of the series before it came here (the group contrasts of ``groups.denoise_by_groups``).
     """
     _check_choice("estimator", estimator, ESTIMATORS)
     _check_choice("filter", filter, FILTERS)
@@ -100,7 +102,7 @@ def resolve_options(shape, *, extent, stride, estimator, aggregation, demean, no
     except ValueError as err:
         raise MPPCAInputError(str(err)) from None
     return DenoiseOptions(extent, int(stride), estimator, aggregation, demean, filter,
-                          noise_variance=resolve_noise(noise, shape[:3], mask))
+                          noise_variance=resolve_noise(noise, shape[:3], mask), removed_means=int(removed_means))
 
 
 def resolve_noise(noise, spatial_shape, mask=None):
@@ -230,8 +232,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
             estimator=DEFAULTS["estimator"],
             aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
             noise=None, noise_floor="none", coils=1, device="auto", nprocs=None, gpu_memory=None,
-            progress=None) -> DenoiseResult:
-    """Denoise a 4D series by Marchenko-Pastur PCA (MP-PCA).
+            progress=None, groups=None, bvals=None, _removed_means=0) -> DenoiseResult:
+    """Denoise a 4D series, or a multi-echo 5D one, by Marchenko-Pastur PCA (MP-PCA).
 
     Each patch (a cuboid of ``extent`` voxels) becomes an n x T matrix; the eigenvalues of its Gram matrix
     are split into signal and noise by the Marchenko-Pastur law (Veraart 2016; Cordero-Grande 2019), the
@@ -239,10 +241,12 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
 
     Parameters
     ----------
-    data : (X, Y, Z, T) array
+    data : (X, Y, Z, T) array, or a multi-echo (X, Y, Z, E, T) array or list of E (X, Y, Z, T) arrays
         The series (any real dtype; computed in float32 on the GPU, float64 on the CPU). In either memory
         order: a volume-major (Fortran-order) series, as nibabel reads a NIfTI file, is not transposed, and
-        ``denoised`` comes back in the same order (``layout``).
+        ``denoised`` comes back in the same order (``layout``). The echoes of a multi-echo series are
+        denoised jointly, each patch's matrix holding their E * T columns, with each voxel's mean per echo
+        removed (the echoes as groups, ``groups.denoise_by_groups``); ``denoised`` is then (X, Y, Z, E, T).
     mask : (X, Y, Z) array, optional
         Voxels to denoise (non-zero). Patches may still read voxels outside it; outputs there are 0.
     extent : "wide", "auto", int or three ints
@@ -257,11 +261,15 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         How overlapping patches combine: ``center`` takes each voxel from its own patch (needs stride 1;
         dwidenoise); ``weighted`` averages all covering patches with weight 1/(1 + P + demeaned);
         ``uniform`` averages them equally.
-    demean : {"volume", "voxel", "none"}
+    demean : {"volume", "voxel", "none", "shells", "groups"}
         What mean to remove inside a patch before PCA (and add back after): ``volume``, the patch's mean
         time course (the mean over its voxels of each volume; DIPY's centring; costs one voxel's worth of
         degrees of freedom); ``voxel``, each voxel's temporal mean (costs one volume); ``none``,
-        dwidenoise's behaviour.
+        dwidenoise's behaviour; ``shells``, each voxel's mean over the volumes of each b-value shell
+        (``bvals``, clustered as MRtrix3 does: ``groups.shell_labels``); ``groups``, each voxel's mean
+        over the volumes of each group (``groups``). G groups cost G volumes (``groups.denoise_by_groups``;
+        ``voxel`` is G = 1). With a multi-echo series the echoes are groups too: ``volume`` then also removes
+        the patch's mean time course, ``voxel`` nothing more, and ``none`` is refused.
     filter : {"hard", "optshrink", "optthresh"}
         What each patch keeps of its components, the noise level (estimated or given) taken as known:
         ``hard``, its P leading components whole (MP-PCA, dwidenoise); ``optshrink``, every component above
@@ -296,6 +304,11 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         unlimited run's (``resolve_gpu_memory``; docs/gpu.md, "Device memory").
     progress : callable(done, total), optional
         Called as work units finish.
+    groups : (T,) integers, optional
+        For ``demean="groups"``: the group of each volume (any integers; volumes with equal labels form a
+        group).
+    bvals : (T,) numbers, optional
+        For ``demean="shells"``: the b-value of each volume.
 
     Returns
     -------
@@ -306,6 +319,11 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     (docs/benchmarks.md, "Choosing the defaults"); dwidenoise's mode is
     ``extent="auto", stride=1, aggregation="center", demean="none"``.
     """
+    if demean in GROUP_DEMEANING or isinstance(data, (list, tuple)) or np.ndim(data) == 5:
+        return denoise_by_groups(data, mask, demean=demean, groups=groups, bvals=bvals, extent=extent,
+                                 stride=stride, estimator=estimator, aggregation=aggregation, filter=filter,
+                                 noise=noise, noise_floor=noise_floor, coils=coils, device=device, nprocs=nprocs,
+                                 gpu_memory=gpu_memory, progress=progress)
     if check_noise_floor(noise_floor, coils) and noise_floor != "none":
         return denoise_magnitude(data, mask, noise_floor=noise_floor, coils=coils, noise=noise,
                                  denoise_options=dict(extent=extent, stride=stride, estimator=estimator,
@@ -321,7 +339,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
 
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
-                              aggregation=aggregation, demean=demean, noise=noise, mask=mask, filter=filter)
+                              aggregation=aggregation, demean=demean, noise=noise, mask=mask, filter=filter,
+                              removed_means=_removed_means)
     check_nprocs(nprocs)
     gpu_memory = resolve_gpu_memory(gpu_memory)
     raw, data, finite, n_nonfinite = _finite_input(data, mask)

@@ -34,11 +34,20 @@ class DenoiseOptions:
     demean: str
     filter: str = "hard"
     noise_variance: float | np.ndarray | None = field(default=None, compare=False, repr=False)
+    #: Means per voxel removed before the series reached the backend (``groups.denoise_by_groups``: G group
+    #: means); each costs the patch one parameter in the aggregation weight.
+    removed_means: int = 0
 
     @property
     def demeaned(self) -> bool:
         """Whether a mean was removed (it costs the patch one parameter in the aggregation weight)."""
         return self.demean != "none"
+
+    @property
+    def mean_parameters(self) -> int:
+        """The parameters per voxel the means cost: 1 for ``voxel`` or ``volume`` demeaning, plus
+        ``removed_means``."""
+        return int(self.demeaned) + self.removed_means
 
     @property
     def noise_given(self) -> bool:

@@ -369,7 +369,7 @@ def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pen
 def window_voxel_weights(windows, options, plan, start, stop):
     """(B, n): each voxel's weight in the aggregation of windows ``start:stop`` (``WindowFit`` or
     ``WindowSpectra``): the window's aggregation weight times its multiplicity; voxels left out get none."""
-    w = aggregation_weights(windows.rank, options.demeaned, options.aggregation) * plan.multiplicity[start:stop]
+    w = aggregation_weights(windows.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[start:stop]
     return w[:, None] * windows.took_part
 
 

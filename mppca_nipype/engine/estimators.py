@@ -166,17 +166,18 @@ def _counts_beside(xp, counts, eigenvalues):
     return xp.asarray(counts, device=eigenvalues.device)
 
 
-def aggregation_weights(rank, demeaned: bool, aggregation: str):
+def aggregation_weights(rank, mean_parameters: int, aggregation: str):
     """Weight of each patch's reconstruction when overlapping patches are averaged.
 
-    ``weighted``: 1 / (1 + P + [1 if the voxel means were removed]), i.e. one over the number of parameters
-    the patch spent on each voxel (DIPY's 1/(1+P); the seed's 1/(2+P) with demeaning). ``uniform``: 1.
+    ``weighted``: 1 / (1 + P + d), d the means removed per voxel (``DenoiseOptions.mean_parameters``: 1 with
+    voxel or volume demeaning, G with G groups of volumes), i.e. one over the number of parameters the
+    patch spent on each voxel (DIPY's 1/(1+P); the seed's 1/(2+P) with demeaning). ``uniform``: 1.
     ``center`` takes each voxel from its own patch and needs no weight (1 is returned).
     """
     xp = array_namespace(rank)
     ones = xp.ones(rank.shape, dtype=xp.float64, device=rank.device)
     if aggregation == "weighted":
-        return ones / (1.0 + xp.astype(rank, xp.float64) + (1.0 if demeaned else 0.0))
+        return ones / (1.0 + xp.astype(rank, xp.float64) + float(mean_parameters))
     return ones
 
 

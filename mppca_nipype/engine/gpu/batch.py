@@ -174,7 +174,7 @@ class SlabWindows:
         if run.center:
             patch_weight = keep.to(torch.float32)
         else:  # where, not a product: a place left unwritten may hold any number
-            patch_weight = torch.where(keep, aggregation_weights(patch_rank, run.options.demeaned,
+            patch_weight = torch.where(keep, aggregation_weights(patch_rank, run.options.mean_parameters,
                                                                  run.options.aggregation)
                                        * selection.multiplicity, 0.0).to(torch.float32)
         self._reconstruct(windows, selection, fused, gathered, volume_mean if not rank_one else None, projector,

@@ -286,7 +286,7 @@ def cpu_contributions(data, finite, plan, options, windows):
         values = (restored[own, plan.centre_position[centres]], np.ones(len(rows)),
                   np.sqrt(fit.sigma2[own]), fit.rank[own])
         return rows, values, True
-    w = aggregation_weights(fit.rank, options.demeaned, options.aggregation) * plan.multiplicity[windows]
+    w = aggregation_weights(fit.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[windows]
     voxel_weight = w[:, None] * fit.took_part
     values = ((restored * voxel_weight[:, :, None]).reshape(-1, n_volumes), voxel_weight.ravel(),
               (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), (voxel_weight * fit.rank[:, None]).ravel())
