@@ -187,10 +187,29 @@ def _series_of(data):
     return data, None
 
 
-def volume_labels(data_shape, n_echoes, demean, groups=None, bvals=None):
-    """The group label (0 .. G-1) of each of the series' volumes (T, or E * T echo-major for E echoes), for
-    a ``demean`` of ``GROUP_DEMEANING`` or, with echoes, any mode (the echoes are always groups)."""
-    n_volumes = data_shape[-1]
+def plan_groups(n_volumes: int, n_echoes, demean, groups=None, bvals=None):
+    """(the ``GroupContrasts`` of the series, the ``demean`` mode ``denoise`` runs on its contrasts), from the
+    series' T volumes per echo and its number of echoes (None: one 4D series); one sentence when the
+    labels or the mode cannot be used. Needs no voxel: the command checks it before reading the series.
+
+    The echoes are always groups, crossed with the ``groups``/``shells`` labels of the T volumes; with
+    echoes, ``volume`` also removes each patch's mean time course of the contrasts, ``voxel`` nothing more.
+    """
+    from . import MIN_VOLUMES
+
+    if n_echoes is not None and demean == "none":
+        raise MPPCAInputError("a multi-echo series always has each voxel's mean per echo removed; give demean "
+                              "'volume', 'voxel', 'groups' or 'shells', not 'none'")
+    labels = _volume_labels(n_volumes, n_echoes, demean, groups, bvals)
+    transform = GroupContrasts(labels)
+    if transform.n_contrasts < MIN_VOLUMES:
+        raise MPPCAInputError(f"{transform.n_groups} groups of {labels.size} volumes leave {transform.n_contrasts} "
+                              f"after their means are removed; MP-PCA needs at least {MIN_VOLUMES}")
+    return transform, "volume" if n_echoes is not None and demean == "volume" else "none"
+
+
+def _volume_labels(n_volumes, n_echoes, demean, groups, bvals):
+    """The group label (0 .. G-1) of each of the series' volumes (T, or E * T echo-major for E echoes)."""
     if demean == "shells":
         if bvals is None:
             raise MPPCAInputError("demean 'shells' needs the b-values (bvals=, one per volume)")
@@ -218,24 +237,17 @@ def denoise_by_groups(data, mask, *, demean, groups=None, bvals=None, **options)
     A multi-echo series, (X, Y, Z, E, T) or a list of E series (X, Y, Z, T), takes the echoes as groups
     (crossed with the ``groups``/``shells`` labels of its T volumes) and comes back as (X, Y, Z, E, T).
     """
-    from . import MIN_VOLUMES, check_data, denoise
+    from . import check_data, denoise
 
     started = time.perf_counter()
     if options.get("noise_floor", "none") != "none":
         raise MPPCAInputError("demeaning by groups of volumes and multi-echo series do not combine with a "
                               "noise floor; give noise_floor='none'")
     series, n_echoes = _series_of(data)
-    if n_echoes is not None and demean == "none":
-        raise MPPCAInputError("a multi-echo series always has each voxel's mean per echo removed; give demean "
-                              "'volume', 'voxel', 'groups' or 'shells', not 'none'")
     if series.ndim not in (4, 5):
         check_data(series, mask)  # its sentence for any other number of dimensions
-    labels = volume_labels(series.shape, n_echoes, demean, groups, bvals)
-    transform = GroupContrasts(labels)
-    total = labels.size
-    if transform.n_contrasts < MIN_VOLUMES:
-        raise MPPCAInputError(f"{transform.n_groups} groups of {total} volumes leave {transform.n_contrasts} "
-                              f"after their means are removed; MP-PCA needs at least {MIN_VOLUMES}")
+    transform, inner = plan_groups(series.shape[-1], n_echoes, demean, groups, bvals)
+    total = transform.n_volumes
     shape3 = series.shape[:3]
     if not (np.issubdtype(series.dtype, np.floating) or np.issubdtype(series.dtype, np.integer)):
         raise MPPCAInputError(f"the input must hold real numbers, not {series.dtype}")
@@ -250,7 +262,6 @@ def denoise_by_groups(data, mask, *, demean, groups=None, bvals=None, **options)
         means[x0:x1] = mean.reshape(means[x0:x1].shape)
     transform_seconds = time.perf_counter() - started
 
-    inner = "volume" if n_echoes is not None and demean == "volume" else "none"
     result = denoise(contrasts, mask, demean=inner, _removed_means=transform.n_groups, **options)
     del contrasts
     mask = np.ones(shape3, bool) if mask is None else np.asarray(mask) != 0  # (checked by ``denoise``)
