@@ -154,6 +154,32 @@ def load_noise_map(path, spatial_shape):
     return read_data(image, path, "noise level", dtype=np.float64).reshape(shape)
 
 
+def beside(path, suffix: str) -> Path:
+    """The file next to a NIfTI ``path`` with its NIfTI suffix replaced by ``suffix`` (dwi.nii.gz -> dwi.bval)."""
+    name = str(path)
+    for nifti in sorted(NIFTI_SUFFIXES, key=len, reverse=True):
+        if name.endswith(nifti):
+            return Path(name[:-len(nifti)] + suffix)
+    return Path(name + suffix)
+
+
+def read_numbers(path, what) -> np.ndarray:
+    """The numbers of a text file separated by spaces, tabs or newlines (a .bval file, a column of labels),
+    float64; one sentence when the file is missing or holds something else."""
+    path = Path(path)
+    try:
+        words = path.read_text().split()
+    except (OSError, UnicodeDecodeError) as err:
+        raise MPPCAInputError(f"cannot read the {what} {path}: {getattr(err, 'strerror', None) or err}") from None
+    numbers = []
+    for word in words:
+        try:
+            numbers.append(float(word))
+        except ValueError:
+            raise MPPCAInputError(f"the {what} {path} must hold numbers only, not {word!r}") from None
+    return np.array(numbers, dtype=np.float64)
+
+
 def check_writable(path, what="output"):
     """Fail now, with one sentence, if ``path`` cannot be written (before any long computation)."""
     path = Path(path)

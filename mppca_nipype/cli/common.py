@@ -254,11 +254,22 @@ def add_gpu_memory_option(parser) -> None:
                              "this process)")
 
 
-def add_denoising_options(parser, *, stride=None, stride_unset=False) -> None:
+def demean_mode(text: str) -> str:
+    """``--demean`` of ``mppca-denoise``: a mode of the engine's ``DEMEANING``, ``shells``, or ``groups:FILE``
+    (the text as given; the file is read in the command's checks)."""
+    from ..engine.estimators import DEMEANING
+
+    if text in DEMEANING or text == "shells" or (text.startswith("groups:") and len(text) > len("groups:")):
+        return text
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(DEMEANING)}, shells or groups:FILE, not {text!r}")
+
+
+def add_denoising_options(parser, *, stride=None, stride_unset=False, groups=False) -> None:
     """The denoising options of every command (``mppca-denoise``, ``mppca-noise``, ``mppca-nipype``): same
     names, defaults from the engine. ``stride``: the command's default grid step (the engine's by default);
     ``stride_unset``: leave ``args.stride`` None when not given, for a command whose default depends on other
-    options (``mppca-denoise --noise-only``)."""
+    options (``mppca-denoise --noise-only``); ``groups``: ``--demean`` also takes ``shells`` and
+    ``groups:FILE`` (``demean_mode``)."""
     from ..engine import DEFAULTS
     from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 
@@ -279,6 +290,16 @@ def add_denoising_options(parser, *, stride=None, stride_unset=False) -> None:
                              "(needs --stride 1; dwidenoise), weighted averages the covering patches with "
                              "weight 1/(1 + rank + 1 if demeaned), uniform averages them equally "
                              "(default: %(default)s)")
+    if groups:
+        parser.add_argument("--demean", type=demean_mode, default=DEFAULTS["demean"],
+                            metavar="volume|voxel|none|shells|groups:FILE",
+                            help="the mean removed inside a patch before PCA (and added back after): volume, "
+                                 "the patch's mean time course (DIPY's centring); voxel, each voxel's temporal "
+                                 "mean; none, nothing (dwidenoise); shells, each voxel's mean over each b-value "
+                                 "shell (the .bval beside IN, or --bval; shells clustered as MRtrix3 does); "
+                                 "groups:FILE, each voxel's mean over each group of volumes, FILE a text file of "
+                                 "one integer label per volume (default: %(default)s)")
+        return
     parser.add_argument("--demean", choices=DEMEANING, default=DEFAULTS["demean"],
                         help="the mean removed inside a patch before PCA (and added back after): volume, "
                              "the patch's mean time course (DIPY's centring); voxel, each voxel's temporal "

@@ -26,6 +26,7 @@ from .. import io
 from ..engine import (DEFAULTS, DEVICES, MIN_VOLUMES, NOISE_STRIDE, MPPCAInputError, MPPCAWarning, check_device,
                       choose_device, denoise, resolve_noise, resolve_options)
 from ..engine.complex_data import denoise_complex
+from ..engine.groups import GROUP_DEMEANING, check_groups, plan_groups
 from ..phases import Phases, process_age
 from . import noise as noise_only
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option,
@@ -38,6 +39,7 @@ PROG = "mppca-denoise"
 
 USAGE = """\
 %(prog)s [options] IN OUT
+       %(prog)s [options] IN OUT --echo IN2 OUT2 [--echo IN3 OUT3 ...]
        %(prog)s --noise-only --noise SIGMA [options] IN
        %(prog)s --warm-up [T,...] [options]"""
 
@@ -88,7 +90,15 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--noise-only", action="store_true",
                         help="write only the noise map (--noise), without denoising: mppca-noise IN SIGMA, the "
                              f"same run; without OUT; the default stride is then {NOISE_STRIDE}")
-    add_denoising_options(parser, stride_unset=True)
+    add_denoising_options(parser, stride_unset=True, groups=True)
+    parser.add_argument("--bval", metavar="FILE",
+                        help="with --demean shells: the b-values of IN's volumes (FSL's .bval; default: the "
+                             ".bval beside IN, IN's name with .bval for .nii[.gz])")
+    parser.add_argument("--echo", nargs=2, action="append", metavar=("IN_E", "OUT_E"),
+                        help="one more echo of a multi-echo series and its output, on IN's grid with IN's "
+                             "volumes (repeat for each echo; IN OUT is the first): the echoes are denoised "
+                             "jointly, each patch holding every echo's volumes, each voxel's mean per echo "
+                             "removed; --noise and --rank are shared (docs/options.md)")
     parser.add_argument("--noise-in", type=noise_level, metavar="FILE|NUMBER",
                         help="a given noise level (standard deviation) instead of each patch's estimate: one "
                              "positive number, or a 3D NIfTI map on IN's voxel grid (positive inside the "
@@ -142,7 +152,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.noise_only:
         given = [name for name, value in (("OUT", args.output), ("--noise-in", args.noise_in),
-                                          ("--warm-up", args.warm_up), ("--coils", args.coils)) if value is not None]
+                                          ("--warm-up", args.warm_up), ("--coils", args.coils),
+                                          ("--echo", args.echo), ("--bval", args.bval)) if value is not None]
         given += ["--noise-floor"] if args.noise_floor != "none" else []
         given += [name for name, value in (("--phase", args.phase), ("--phase-out", args.phase_out)) if value]
         if given:
@@ -161,13 +172,14 @@ def main(argv=None):
         given = [name for name, value in (("IN", args.input), ("OUT", args.output), ("--mask", args.mask),
                                           ("--noise", args.noise), ("--rank", args.rank),
                                           ("--noise-in", args.noise_in), ("--phase", args.phase),
-                                          ("--phase-out", args.phase_out)) if value is not None]
+                                          ("--phase-out", args.phase_out), ("--echo", args.echo),
+                                          ("--bval", args.bval)) if value is not None]
         given += ["--noise-floor"] if args.noise_floor != "none" else []
         if given:
             parser.error(f"--warm-up denoises generated series and takes no files ({', '.join(given)})")
     elif args.input is None or args.output is None:
         parser.error("the following arguments are required: IN, OUT")
-    for problem in (noise_floor_problem(args), phase_problem(args)):
+    for problem in (noise_floor_problem(args), phase_problem(args), groups_problem(args)):
         if problem:
             parser.error(problem)
     with warnings_as_lines(PROG), user_errors(PROG):
@@ -175,6 +187,46 @@ def main(argv=None):
             warm_up(args, parser)
         else:
             run(args, parser)
+
+
+def groups_problem(args) -> str | None:
+    """The sentence that says why ``--demean shells|groups:FILE``, ``--bval`` and ``--echo`` do not go with
+    the other options, or None."""
+    mode = demean_of(args)
+    if args.bval is not None and mode != "shells":
+        return "--bval gives the b-values of --demean shells"
+    grouped = mode in GROUP_DEMEANING or args.echo
+    what = "--echo" if args.echo else f"--demean {mode}"
+    if grouped and args.phase is not None:
+        return f"--phase denoises one complex series and does not combine with {what}"
+    if grouped and args.noise_floor != "none":
+        return f"--noise-floor {args.noise_floor} does not combine with {what}"
+    return None
+
+
+def demean_of(args) -> str:
+    """The demeaning mode of ``--demean`` (``groups`` for ``groups:FILE``)."""
+    return args.demean.split(":", 1)[0]
+
+
+def _volume_groups(args, n_volumes):
+    """``denoise``'s ``demean``, ``groups`` and ``bvals`` from ``--demean`` and ``--bval``: the label or
+    .bval file read (small), its count checked against IN's volumes."""
+    mode = demean_of(args)
+    if mode == "groups":
+        path = args.demean.split(":", 1)[1]
+        labels = check_groups(io.read_numbers(path, "group file"), n_volumes, f"the labels of the group file {path}")
+        return dict(demean=mode, groups=labels)
+    if mode == "shells":
+        path = args.bval if args.bval is not None else io.beside(args.input, ".bval")
+        if args.bval is None and not path.exists():
+            raise MPPCAInputError(f"--demean shells needs the b-values: there is no {path} beside IN; give "
+                                  "--bval FILE")
+        bvals = io.read_numbers(path, ".bval file")
+        if bvals.size != n_volumes:
+            raise MPPCAInputError(f"the .bval file {path} holds {bvals.size} b-values, but IN has {n_volumes} volumes")
+        return dict(demean=mode, bvals=bvals)
+    return dict(demean=mode)
 
 
 def console():
@@ -195,21 +247,30 @@ def run(args, parser) -> None:
     with io.staged_files(outputs, what=outputs) as staged:
         with phases("read"):
             data = io.read_data(image, args.input, dtype=np.complex64 if complex_input else np.float32)
+            echoes = [io.read_data(io.load_image(path), path) for path, _ in args.echo or ()]
             phase = None if args.phase is None else io.read_data(io.load_image(args.phase, "phase"), args.phase,
                                                                  "phase")
         with phases("denoise"), ProgressBar(PROG, quiet=args.quiet) as progress:
             run_options = dict(device=args.device, nprocs=args.nprocs, gpu_memory=args.gpu_memory,
                                progress=progress)
-            if phase is None and not complex_input:
+            if echoes:
+                result = denoise([data, *echoes], mask, **options, **noise_floor_options(args), **run_options)
+            elif phase is None and not complex_input:
                 result = denoise(data, mask, **options, **noise_floor_options(args), **run_options)
             else:  # a magnitude and its phase, or the complex series itself (phase None)
                 result = denoise_complex(data, phase, mask, **options, phase_method=args.phase_method,
                                          **run_options)
         phases.parts_of("denoise", result.info["seconds"])
+        per_echo = {}
+        if echoes:  # each echo written like its own input
+            per_echo = {out: (result.denoised[:, :, :, e + 1], path) for e, (path, out) in enumerate(args.echo)}
+            result.denoised = result.denoised[:, :, :, 0]
         images = {args.output: result.denoised_complex if complex_input else result.denoised,
                   args.noise: result.sigma, args.rank: result.rank, args.phase_out: getattr(result, "phase", None)}
         with phases("write"):
-            write_images(images, image, staged, outputs)
+            write_images(images, image, staged, {path: what for path, what in outputs.items() if path in images})
+            for out, (denoised, path) in per_echo.items():
+                write_images({out: denoised}, io.load_image(path), staged, {out: outputs[out]})
 
     if not args.quiet:
         say(summary(result, data, mask, time.perf_counter() - started))
@@ -231,12 +292,24 @@ def _checked(args, parser):
         phase_shape = tuple(io.load_image(args.phase, "phase").shape)
         if phase_shape != shape:
             raise MPPCAInputError(f"the phase {args.phase} has shape {phase_shape}, but the magnitude's is {shape}")
+    for path, _ in args.echo or ():  # the other echoes' headers: IN's grid and volumes
+        echo_shape = tuple(io.open_series(path).shape)
+        if echo_shape != shape:
+            raise MPPCAInputError(f"the echo {path} has shape {echo_shape}, but IN's is {shape}")
+    groups = _volume_groups(args, shape[3])
     options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
-                   aggregation=args.aggregation, demean=args.demean, filter=args.filter)
+                   aggregation=args.aggregation, filter=args.filter, **groups)
+    resolve_shape, resolve_demean, removed_means = shape, groups["demean"], 0
+    if args.echo or groups["demean"] in GROUP_DEMEANING:  # the series denoise() runs: the group contrasts
+        transform, resolve_demean = plan_groups(shape[3], len(args.echo) + 1 if args.echo else None,
+                                                groups["demean"], groups.get("groups"), groups.get("bvals"))
+        resolve_shape, removed_means = shape[:3] + (transform.n_contrasts,), transform.n_groups
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", MPPCAWarning)  # denoise() gives the same warnings, once
-            resolved = resolve_options(shape, **options)
+            resolved = resolve_options(resolve_shape, extent=args.extent, stride=args.stride,
+                                       estimator=args.estimator, aggregation=args.aggregation,
+                                       demean=resolve_demean, filter=args.filter, removed_means=removed_means)
     except MPPCAInputError as err:
         parser.error(str(err))
     # raises MPPCAInputError, with the reason, when 'cuda' cannot be used; 'auto' probes the GPU only where
@@ -244,13 +317,14 @@ def _checked(args, parser):
     if args.noise_in is not None:  # a map is small: read now, so that its values are checked before the series'
         options["noise"], variance = _given_noise(args.noise_in, shape, mask)
         resolved = dataclasses.replace(resolved, noise_variance=variance)
-    choose_device(args.device, shape, resolved, args.nprocs)
+    choose_device(args.device, resolve_shape, resolved, args.nprocs)
 
     # the destinations: distinct, not an input, writable (proved by creating their temporary files)
     outputs = check_destinations(parser, [(args.output, "output"), (args.noise, "noise map"),
-                                          (args.rank, "rank map"), (args.phase_out, "phase output")],
+                                          (args.rank, "rank map"), (args.phase_out, "phase output"),
+                                          *((out, f"output of the echo {path}") for path, out in args.echo or ())],
                                  (args.input, args.mask, args.noise_in if isinstance(args.noise_in, str) else None,
-                                  args.phase))
+                                  args.phase, *(path for path, _ in args.echo or ())))
     return image, mask, options, outputs
 
 
@@ -344,6 +418,9 @@ def summary(result, data, mask, seconds: float) -> str:
         medians = "no voxel was denoised"
     line = (f"{PROG}: denoised {'x'.join(map(str, data.shape))} in {seconds:.1f} s ({where_it_ran(result.info)}); "
             f"{medians}")
+    if "n_groups" in result.info:  # demeaned by groups of volumes (shells, labels, echoes)
+        line += (f"; {result.info['n_groups']} groups of volumes ({result.info['usable_volumes']} usable)"
+                 + (f", {result.info['echoes']} echoes denoised jointly" if "echoes" in result.info else ""))
     if "phase_method" in result.info:  # complex data: how the phase was read and whether demodulation held
         ratio = result.info["imaginary_sd_ratio"]
         units = result.info["phase_units"]
