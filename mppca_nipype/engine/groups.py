@@ -19,7 +19,7 @@ voxel (Lancaster HO. The Helmert matrices. Am Math Monthly 72(1):4-12 (1965)).
 
 from __future__ import annotations
 
-import math
+from concurrent.futures import ThreadPoolExecutor
 import time
 
 import numpy as np
@@ -37,8 +37,10 @@ BVALUE_EPSILON = 80.0
 #: MRtrix3's DWI_SHELLS_MIN_LINKAGE: a shell grows only from b-values with at least this many neighbours.
 MIN_LINKAGE = 3
 
-#: Bytes of float64 rows the transforms hold at once (a slab of the series along x).
-SLAB_BYTES = 64 << 20
+#: Bytes of float64 rows each thread of the transforms holds at once (a slab of the series along x).
+SLAB_BYTES = 16 << 20
+#: Threads of the transforms, at most (NumPy's cumulative sums and arithmetic release the GIL).
+THREADS = 8
 
 
 def shell_labels(bvals) -> np.ndarray:
@@ -120,50 +122,61 @@ class GroupContrasts:
     """The orthonormal map between a voxel's T values and (its T - G Helmert contrasts within the groups, its
     G group means), and back; rows of float64 (V, T) at a time.
 
-    Volumes are taken group by group (``order``); in that order group g spans ``start[g]`` .. ``start[g] +
-    size[g]``, and its contrasts k = 1 .. size[g]-1 sit at the positions start[g] + k of the grouped series
-    less the g + 1 group starts before them.
+    The contrasts come group after group (groups by label), each group's in the order of its volumes.
     """
 
     def __init__(self, labels):
         labels = np.asarray(labels, dtype=np.int64)
         self.n_volumes = labels.size
-        self.order = np.argsort(labels, kind="stable")
         self.size = np.bincount(labels)
         self.n_groups = self.size.size
-        self.start = np.concatenate([[0], np.cumsum(self.size)[:-1]])
         self.n_contrasts = self.n_volumes - self.n_groups
-        group_of = np.repeat(np.arange(self.n_groups), self.size)  # of each grouped position
-        self.group_of = group_of
-        k = np.arange(self.n_volumes) - self.start[group_of]  # index within its group
-        contrast = k > 0
-        self.position = np.flatnonzero(contrast)  # grouped position of x_k, for each contrast
-        self.k = k[contrast].astype(np.float64)
-        self.group_start = self.start[group_of[contrast]]
-        self.scale = 1.0 / np.sqrt(self.k * (self.k + 1.0))
-        self.k_all = k.astype(np.float64)
-        self.group_end = (self.start + self.size)[group_of]  # of each grouped position
+        #: the volumes of each group, and where its contrasts go: (volumes, slice of the contrasts)
+        self.members = []
+        first = 0
+        for g in range(self.n_groups):
+            volumes = np.flatnonzero(labels == g)
+            # a run of volumes is a slice: no gather (a group of shells or echoes is often one run)
+            if volumes[-1] - volumes[0] + 1 == volumes.size:
+                volumes = slice(int(volumes[0]), int(volumes[-1]) + 1)
+            self.members.append((volumes, slice(first, first + self.size[g] - 1)))
+            first += self.size[g] - 1
+
+    @staticmethod
+    def _weights(m):
+        """(k, 1 / sqrt(k (k + 1))) for the contrasts k = 1 .. m-1 of a group of m volumes."""
+        k = np.arange(1, m, dtype=np.float64)
+        return k, 1.0 / np.sqrt(k * (k + 1.0))
 
     def forward(self, rows):
-        """(contrasts (V, T - G), means (V, G)) of rows (V, T) float64."""
-        x = rows[:, self.order]
-        prefix = np.zeros((x.shape[0], x.shape[1] + 1))
-        np.cumsum(x, axis=1, out=prefix[:, 1:])  # prefix[:, i] = x_0 + ... + x_{i-1}
-        before = prefix[:, self.position] - prefix[:, self.group_start]  # x_0 + ... + x_{k-1} in the group
-        contrasts = (before - self.k * x[:, self.position]) * self.scale
-        means = (prefix[:, self.start + self.size] - prefix[:, self.start]) / self.size
+        """(contrasts (V, T - G), means (V, G)) of rows (V, T) float64: y_k = (x_0 + ... + x_{k-1} - k x_k)
+        / sqrt(k (k + 1)) within each group."""
+        contrasts = np.empty((rows.shape[0], self.n_contrasts))
+        means = np.empty((rows.shape[0], self.n_groups))
+        for g, (volumes, out) in enumerate(self.members):
+            x = rows[:, volumes]
+            k, scale = self._weights(x.shape[1])
+            before = np.cumsum(x[:, :-1], axis=1)  # x_0 + ... + x_{k-1}
+            means[:, g] = ((before[:, -1] if k.size else 0.0) + x[:, -1]) / x.shape[1]
+            before -= k * x[:, 1:]
+            contrasts[:, out] = before * scale
         return contrasts, means
 
     def inverse(self, contrasts, means):
         """Rows (V, T) float64 with these contrasts and group means: x_j = mean + sum_{k > j} z_k - j z_j,
         z_k = y_k / sqrt(k (k + 1)) (the transpose of the Helmert rows)."""
-        z = np.zeros((contrasts.shape[0], self.n_volumes))
-        z[:, self.position] = contrasts * self.scale  # 0 at each group's first position
-        suffix = np.zeros((z.shape[0], z.shape[1] + 1))
-        suffix[:, :-1] = np.cumsum(z[:, ::-1], axis=1)[:, ::-1]  # suffix[:, i] = z_i + ... + z_{T-1}
-        grouped = (means[:, self.group_of] + suffix[:, 1:] - suffix[:, self.group_end] - self.k_all * z)
-        rows = np.empty_like(grouped)
-        rows[:, self.order] = grouped
+        rows = np.empty((contrasts.shape[0], self.n_volumes))
+        for g, (volumes, out) in enumerate(self.members):
+            k, scale = self._weights(self.size[g])
+            z = contrasts[:, out] * scale  # z_1 .. z_{m-1}
+            x = np.empty((contrasts.shape[0], self.size[g]))
+            x[:, -1] = 0.0
+            np.cumsum(z[:, :0:-1], axis=1, out=x[:, -2:0:-1])  # x_j = z_{j+1} + ... + z_{m-1}, j = 1 .. m-2
+            if k.size:
+                x[:, 0] = (x[:, 1] if k.size > 1 else 0.0) + z[:, 0]  # x_0 = z_1 + ... + z_{m-1}
+            x[:, 1:] -= k * z
+            x += means[:, g:g + 1]
+            rows[:, volumes] = x
         return rows
 
 
@@ -254,12 +267,15 @@ def denoise_by_groups(data, mask, *, demean, groups=None, bvals=None, **options)
 
     contrasts = np.empty(shape3 + (transform.n_contrasts,), np.float32)
     means = np.empty(shape3 + (transform.n_groups,), np.float64)
-    for x0, x1 in _slabs(shape3, total):
+
+    def to_contrasts(x0, x1):
         rows = np.asarray(series[x0:x1], dtype=np.float64).reshape(-1, total)
         with np.errstate(invalid="ignore", over="ignore"):
             y, mean = transform.forward(rows)
         contrasts[x0:x1] = y.reshape(contrasts[x0:x1].shape)
         means[x0:x1] = mean.reshape(means[x0:x1].shape)
+
+    _by_slabs(to_contrasts, shape3, total)
     transform_seconds = time.perf_counter() - started
 
     result = denoise(contrasts, mask, demean=inner, _removed_means=transform.n_groups, **options)
@@ -269,7 +285,8 @@ def denoise_by_groups(data, mask, *, demean, groups=None, bvals=None, **options)
     started = time.perf_counter()
     volume_major = series.flags.f_contiguous and not series.flags.c_contiguous
     denoised = np.empty(series.shape, np.float32, order="F" if volume_major else "C")
-    for x0, x1 in _slabs(shape3, total):
+
+    def from_contrasts(x0, x1):
         mean = means[x0:x1].reshape(-1, transform.n_groups)
         rows = transform.inverse(np.asarray(result.denoised[x0:x1], np.float64).reshape(-1, transform.n_contrasts),
                                  mean)
@@ -279,6 +296,8 @@ def denoise_by_groups(data, mask, *, demean, groups=None, bvals=None, **options)
         if keep.any():
             rows[keep] = np.asarray(series[x0:x1], np.float64).reshape(-1, total)[keep]
         denoised[x0:x1] = rows.reshape(denoised[x0:x1].shape)
+
+    _by_slabs(from_contrasts, shape3, total)
     transform_seconds += time.perf_counter() - started
 
     result.denoised = denoised
@@ -291,8 +310,19 @@ def denoise_by_groups(data, mask, *, demean, groups=None, bvals=None, **options)
     return result
 
 
-def _slabs(shape3, n_volumes):
-    """(x0, x1) slabs of the series along x, each about ``SLAB_BYTES`` of float64 rows."""
+def _by_slabs(work, shape3, n_volumes):
+    """``work(x0, x1)`` for slabs of the series along x, each about ``SLAB_BYTES`` of float64 rows, on up to
+    ``THREADS`` threads (each slab writes its own part of the outputs)."""
+    from .backend import available_cpus
+
     per_plane = max(1, shape3[1] * shape3[2] * n_volumes * 8)
     step = max(1, SLAB_BYTES // per_plane)
-    return [(x0, min(x0 + step, shape3[0])) for x0 in range(0, shape3[0], step)]
+    slabs = [(x0, min(x0 + step, shape3[0])) for x0 in range(0, shape3[0], step)]
+    threads = min(len(slabs), available_cpus(), THREADS)
+    if threads == 1:
+        for slab in slabs:
+            work(*slab)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="mppca-groups") as pool:
+        for done in [pool.submit(work, *slab) for slab in slabs]:
+            done.result()
