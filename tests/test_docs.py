@@ -54,12 +54,16 @@ def test_the_mppca_denoise_and_mppca_noise_examples_of_usage_md_run_in_order(tmp
     import numpy as np
 
     monkeypatch.chdir(tmp_path)
-    noisy, truth, _, _ = dwi_phantom((16, 16, 12), 20, sigma=20.0)
+    noisy, truth, bvals, _ = dwi_phantom((16, 16, 12), 20, sigma=20.0)
     nib.save(nib.Nifti1Image(noisy, np.eye(4)), "dwi.nii.gz")
     nib.save(nib.Nifti1Image((truth[..., 0] > 0).astype(np.uint8), np.eye(4)), "mask.nii.gz")
+    Path("dwi.bval").write_text(" ".join(f"{b:g}" for b in bvals) + "\n")
+    Path("volume_groups.txt").write_text("\n".join(str(i // 10) for i in range(20)) + "\n")
+    for echo in (1, 2, 3):
+        nib.save(nib.Nifti1Image(noisy * np.float32(0.8**echo), np.eye(4)), f"echo-{echo}.nii.gz")
     commands = [line for block in code_blocks("usage.md", "bash") for line in block.splitlines()
                 if line.startswith(("mppca-denoise ", "mppca-noise "))]
-    assert len(commands) == 4
+    assert len(commands) == 7
     for command in commands:
         program, *args = shlex.split(command)
         if program == "mppca-denoise":
@@ -71,6 +75,7 @@ def test_the_mppca_denoise_and_mppca_noise_examples_of_usage_md_run_in_order(tmp
         except SystemExit as stopped:
             assert stopped.code in (0, None), command
     assert Path("noise.nii.gz").is_file() and Path("rank.nii.gz").is_file() and Path("sigma.nii.gz").is_file()
+    assert all(Path(f"{name}.nii.gz").is_file() for name in ("dwi_den_shells", "dwi_den_groups", "echo-3_den"))
 
 
 def test_the_options_table_gives_the_engines_defaults():
