@@ -7,24 +7,13 @@ the projection carries to the output. We allow 1e-5 relative rms on the denoised
 (still 100 times that floor), while one wrong rank, weight or degree of freedom moves them by 1e-3 or more.
 """
 
-import warnings
-
 import numpy as np
 import pytest
 
-from mppca_nipype import MPPCAInputError, MPPCAWarning, denoise
+from mppca_nipype import MPPCAInputError, denoise
 from mppca_nipype.engine.groups import GroupContrasts, check_groups, shell_labels
 from reference import denoise_reference
-
-
-def rms_relative(a, b):
-    return float(np.sqrt(np.mean((np.asarray(a, float) - b) ** 2)) / np.sqrt(np.mean(np.asarray(b, float) ** 2)))
-
-
-def run_engine(data, mask=None, **options):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", MPPCAWarning)
-        return denoise(data, mask, device="cpu", nprocs=1, **options)
+from test_engine_cpu import rms_relative, run_engine
 
 
 def grouped_series(shape, labels, seed=0, rank=3):
