@@ -315,6 +315,9 @@ class Run:
     phase: Run | None = None
     #: Something to tell the user about how the run is denoised (a ``part-mag`` run without its phase).
     note: str | None = None
+    #: With echo-1 of a multi-echo run: the runs of its other echoes, in echo order, denoised jointly with it
+    #: (``pair_echoes``); each gets its own derivatives under its own name.
+    echoes: list = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -408,11 +411,13 @@ def query_runs(layout, *, participants=None, sessions=None, datatypes=("dwi", "f
 
     DWI runs get their ``.bval``/``.bvec`` through BIDS inheritance. Magnitude/phase runs are paired
     (``pair_parts``): a ``part-mag`` run carries its ``part-phase`` run as ``phase``, and the phase run is not
-    listed on its own. Multi-echo (``echo-``), real/imaginary (``part-real``, ``part-imag``) and unpaired
-    ``part-phase`` runs, and DWI runs without a gradient table, come back with ``skip`` set to the reason.
+    listed on its own. The echoes of a multi-echo (``echo-``) run come back as one run, its first echo, holding
+    the others (``pair_echoes``). Multi-echo magnitude/phase runs, real/imaginary (``part-real``,
+    ``part-imag``) and unpaired ``part-phase`` runs, and DWI runs without a gradient table, come back with
+    ``skip`` set to the reason.
     """
     filters = filters or {}
-    runs = []
+    runs, echoes = [], []
     for datatype in datatypes:
         suffix = SERIES[datatype]
         query = dict(datatype=datatype, suffix=suffix, extension=[".nii.gz", ".nii"])
@@ -427,8 +432,9 @@ def query_runs(layout, *, participants=None, sessions=None, datatypes=("dwi", "f
             run = Run(path=path, relpath=PurePosixPath(path.relative_to(layout.root)).as_posix(),
                       datatype=datatype, suffix=suffix, entities=entities,
                       metadata=dict(layout.get_metadata(str(path))))
-            if "echo" in entities:
-                run.skip = "multi-echo runs are not denoised yet (echoes must be denoised jointly)"
+            if "echo" in entities and "part" in entities:
+                run.skip = ("multi-echo magnitude/phase (echo- and part-) runs are not denoised yet (the echoes "
+                            "are denoised jointly as magnitude series only)")
             elif "part" in entities and entities["part"] not in PARTS:
                 run.skip = (f"part-{entities['part']} runs are not denoised (complex data are denoised from "
                             "part-mag and part-phase pairs)")
@@ -440,7 +446,8 @@ def query_runs(layout, *, participants=None, sessions=None, datatypes=("dwi", "f
                     run.skip = "no .bval/.bvec found for it"
                 else:
                     run.bval, run.bvec = Path(bval), Path(bvec)
-            runs.append(run)
+            (echoes if "echo" in entities and run.skip is None else runs).append(run)
+    runs += pair_echoes(echoes)
     runs.sort(key=lambda run: run.relpath)
     return pair_parts(runs)
 
@@ -487,6 +494,26 @@ def pair_parts(runs) -> list:
                 run.skip = (f"its noise and rank maps, named once for the pair with {run.phase.name} (without "
                             f"part-), would take the names of {others}'s")
     return kept
+
+
+def pair_echoes(echo_runs) -> list:
+    """The echoes of each multi-echo run, paired: runs that differ only in their ``echo`` entity form one run,
+    the first echo holding the others in ``echoes`` (echo order; their shapes are checked when read). One
+    echo alone comes back with ``skip`` set: it cannot be denoised jointly."""
+    groups = {}
+    for run in echo_runs:
+        key = (run.datatype, tuple(sorted((k, str(v)) for k, v in run.entities.items() if k != "echo")))
+        groups.setdefault(key, []).append(run)
+    paired = []
+    for group in groups.values():
+        group.sort(key=lambda run: (int(run.entities["echo"]) if str(run.entities["echo"]).isdigit()
+                                    else 0, str(run.entities["echo"])))
+        first, *others = group
+        if not others:
+            first.skip = "only one echo of this multi-echo run was found (the echoes are denoised jointly)"
+        first.echoes = others
+        paired.append(first)
+    return paired
 
 
 # ------------------------------------------------------------------------------------ dataset-level files

@@ -219,6 +219,10 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
                           desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
                                "GPU slot for the node. Default: true when a GPU is usable here")
     num_threads = traits.Int(1, usedefault=True, nohash=True, desc="CPU worker processes")
+    echo_files = traits.List(File(exists=True),
+                             desc="the other echoes of a multi-echo series (in_file the first), each 4D on its "
+                                  "grid with as many volumes: denoised jointly with it, each voxel's mean per echo "
+                                  "removed; noise_file and rank_file are shared")
     gpu_memory = traits.Either(traits.Float, traits.Str, nohash=True,
                                desc="the most GPU memory the run may take: GiB (8, '8GiB') or a share of the "
                                     "GPU's memory ('50%'); default: $MPPCA_GPU_MEMORY, else all the GPU can give")
@@ -229,6 +233,7 @@ class _MPPCADenoiseOutputSpec(TraitedSpec):
     noise_file = File(exists=True, desc="3D map of the noise standard deviation estimated by MP-PCA")
     rank_file = File(exists=True, desc="3D map of the number of signal components kept")
     out_phase_file = File(desc="with phase_file: the phase of the denoised complex series, in radians")
+    echo_out_files = traits.List(File(exists=True), desc="with echo_files: each one denoised, in their order")
     provenance_file = File(exists=True, desc="JSON: parameters, backend, device, versions, timings, "
                                              "noise and rank summaries, input checksum")
 
@@ -251,8 +256,10 @@ class MPPCADenoise(SimpleInterface):
 
         start = time.perf_counter()
         phases = Phases()
+        echo_files = list(self.inputs.echo_files) if isdefined(self.inputs.echo_files) else []
         with phases("read"):
             data, image = io.load_series(self.inputs.in_file)
+            echoes = [io.load_series(path) for path in echo_files]  # (data, image) of each
         mask = None
         if isdefined(self.inputs.mask):
             mask = io.load_mask(self.inputs.mask, data.shape[:3])
@@ -261,6 +268,8 @@ class MPPCADenoise(SimpleInterface):
                           demean=self.inputs.demean, filter=self.inputs.filter)
         phase = None
         if isdefined(self.inputs.phase_file):
+            if echo_files:
+                raise MPPCAInputError("phase_file denoises one complex series and does not combine with echo_files")
             if self.inputs.noise_floor != "none":
                 raise MPPCAInputError(f"phase_file removes the magnitude floor by denoising the demodulated real "
                                       f"part; noise_floor must be 'none', not {self.inputs.noise_floor!r}")
@@ -283,8 +292,9 @@ class MPPCADenoise(SimpleInterface):
         # never more workers than this process may use (its affinity, SLURM_CPUS_PER_TASK)
         nprocs = max(1, min(self.inputs.num_threads, available_cpus()))
         with phases("denoise"):
+            series = [data, *(echo for echo, _ in echoes)] if echoes else data
             result, notes, placement = denoise_on_device(
-                data, mask, parameters, use_gpu=self.inputs.use_gpu, nprocs=nprocs,
+                series, mask, parameters, use_gpu=self.inputs.use_gpu, nprocs=nprocs,
                 gpu_memory=self.inputs.gpu_memory if isdefined(self.inputs.gpu_memory) else None, phase=phase)
         phases.parts_of("denoise", result.info["seconds"])
         for note in notes:
@@ -293,7 +303,12 @@ class MPPCADenoise(SimpleInterface):
         out_file = fname_presuffix(self.inputs.in_file, suffix="_denoised", newpath=runtime.cwd)
         noise_file = fname_presuffix(self.inputs.in_file, suffix="_noise", newpath=runtime.cwd)
         rank_file = fname_presuffix(self.inputs.in_file, suffix="_rank", newpath=runtime.cwd)
+        echo_out_files = [fname_presuffix(path, suffix="_denoised", newpath=runtime.cwd) for path in echo_files]
         with phases("write"):
+            if echoes:  # (X, Y, Z, E, T): the first echo is in_file's
+                for e, ((_, echo_image), path) in enumerate(zip(echoes, echo_out_files), 1):
+                    io.save_like(result.denoised[:, :, :, e], echo_image, path)
+                result.denoised = result.denoised[:, :, :, 0]
             io.save_like(result.denoised, image, out_file)
             io.save_like(result.sigma, image, noise_file)
             io.save_like(result.rank, image, rank_file)
@@ -316,6 +331,10 @@ class MPPCADenoise(SimpleInterface):
             provenance["PhaseSHA256"] = sha256_file(self.inputs.phase_file)
         if isdefined(self.inputs.noise_in) and isinstance(self.inputs.noise_in, str):
             provenance["NoiseInSHA256"] = sha256_file(self.inputs.noise_in)
+        if echo_files:  # the echoes denoised with in_file
+            provenance.update(EchoFiles=[Path(path).name for path in echo_files],
+                              EchoSHA256=[sha256_file(path) for path in echo_files])
+            self._results["echo_out_files"] = echo_out_files
         provenance_file = str(Path(runtime.cwd) / "provenance.json")
         io.write_json_atomic(provenance_file, provenance)
         self._results.update(out_file=out_file, noise_file=noise_file, rank_file=rank_file,

@@ -215,16 +215,17 @@ def test_bids_filter_file_selects_runs(dataset, tmp_path, capsys):
     assert produced(tmp_path / "out") == expected_outputs(subjects=("01",), datatypes=("func",), runs=(2,))
 
 
-def test_multi_echo_and_real_imaginary_runs_are_listed_and_skipped(tmp_path, capsys):
+def test_real_imaginary_and_multi_echo_complex_runs_are_listed_and_skipped(tmp_path, capsys):
     root = make_dataset(tmp_path / "bids", subjects=("01",))
     func = root / "sub-01/ses-1/func"
     data = nib.load(func / "sub-01_ses-1_task-rest_run-1_bold.nii.gz").get_fdata(dtype=np.float32)
-    for name in ("task-me_echo-1", "task-me_echo-2", "task-cx_part-real", "task-cx_part-imag"):
+    for name in ("task-mx_echo-1_part-mag", "task-mx_echo-2_part-mag", "task-cx_part-real", "task-cx_part-imag"):
         write_series(func / f"sub-01_ses-1_{name}_bold.nii.gz", data, repetition_time=2.0)
     status, _, err = run_app(capsys, root, tmp_path / "out", "participant", "--datatype", "func",
                              "--skip-bids-validation", *FAST)
     assert status == 0, err
-    assert "skipping sub-01/ses-1/func/sub-01_ses-1_task-me_echo-1_bold.nii.gz: multi-echo" in err
+    assert ("skipping sub-01/ses-1/func/sub-01_ses-1_task-mx_echo-1_part-mag_bold.nii.gz: multi-echo "
+            "magnitude/phase") in err
     assert ("skipping sub-01/ses-1/func/sub-01_ses-1_task-cx_part-real_bold.nii.gz: part-real runs are not denoised "
             "(complex data are denoised from part-mag and part-phase pairs)") in err
     assert produced(tmp_path / "out") == expected_outputs(subjects=("01",), datatypes=("func",))
@@ -408,6 +409,35 @@ def test_the_pairs_names_come_from_the_one_naming_function():
     assert names["noise"] == "sub-01/func/sub-01_task-x_desc-noise_boldmap.nii"
     alone = derivative_names("sub-01/func/sub-01_task-x_part-mag_bold.nii")
     assert "phase" not in alone and alone["noise"] == "sub-01/func/sub-01_task-x_part-mag_desc-noise_boldmap.nii"
+
+
+def test_the_echoes_of_a_multi_echo_run_are_denoised_jointly_one_derivative_each(tmp_path, capsys):
+    from test_groups import echo_phantom
+
+    root = make_dataset(tmp_path / "bids", subjects=("01",))
+    func = root / "sub-01/ses-1/func"
+    noisy, _ = echo_phantom(shape=SHAPE, n_volumes=14)
+    for echo in (1, 2, 3):
+        stem = func / f"sub-01_ses-1_task-me_echo-{echo}_bold"
+        write_series(stem.with_name(stem.name + ".nii.gz"), noisy[:, :, :, echo - 1], repetition_time=2.0)
+        stem.with_name(stem.name + ".json").write_text(json.dumps({"EchoTime": 0.015 * echo}))
+    write_series(func / "sub-01_ses-1_task-solo_echo-1_bold.nii.gz", noisy[:, :, :, 0], repetition_time=2.0)
+    status, _, err = run_app(capsys, root, tmp_path / "out", "participant", "--datatype", "func",
+                             "--skip-bids-validation", *FAST)
+    assert status == 0, err
+    assert "skipping sub-01/ses-1/func/sub-01_ses-1_task-solo_echo-1_bold.nii.gz: only one echo" in err
+    echoes = [f"sub-01/ses-1/func/{name}" for echo in (1, 2, 3)
+              for name in run_files(f"sub-01_ses-1_task-me_echo-{echo}", "bold")]
+    assert produced(tmp_path / "out") == sorted(expected_outputs(subjects=("01",), datatypes=("func",)) + echoes)
+    written = [np.asarray(nib.load(tmp_path / "out" / name).dataobj, np.float32)
+               for name in echoes if name.endswith("desc-denoised_bold.nii.gz")]
+    expected = denoise(noisy, device="cpu", nprocs=1, **{k: DEFAULTS[k] for k in
+                                                         ("extent", "stride", "estimator", "aggregation")})
+    for echo in (1, 2, 3):
+        np.testing.assert_array_equal(written[echo - 1], expected.denoised[:, :, :, echo - 1])
+        sidecar = read_json(tmp_path / "out" / echoes[6 * (echo - 1) + 1])  # its desc-denoised_bold.json
+        assert sidecar["EchoTime"] == 0.015 * echo
+        assert sidecar["MPPCADenoising"]["EngineInfo"]["echoes"] == 3
 
 
 # ---------------------------------------------------------------------------------------------- failures

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterface, TraitedSpec, isdefined,
                                     traits)
-from nipype.interfaces.utility import IdentityInterface
+from nipype.interfaces.utility import IdentityInterface, Select
 from nipype.pipeline import engine as pe
 
 from ..engine import DEFAULTS
@@ -237,6 +237,9 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         Optional given noise level: a number or a 3D map of sigma (``MPPCADenoise.noise_in``).
     metadata
         The series' metadata (a dict, e.g. its BIDS sidecar); carried forward into ``provenance``.
+    echo_files
+        Optional: the other echoes of a multi-echo series (``in_file`` the first), denoised jointly with it
+        (``MPPCADenoise.echo_files``).
 
     Outputs (``outputnode``)
     ------------------------
@@ -249,16 +252,18 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     provenance
         JSON: the provenance block (parameters, backend, device, versions, timings, summaries, checksum)
         under ``MPPCADenoising``, next to the input's metadata.
+    echo_denoised, provenance_file
+        With ``echo_files``: each of them denoised; the provenance alone (for the other echoes' sidecars).
     """
     workflow = pe.Workflow(name=name)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_in,
                                      noise_floor=noise_floor, coils=coils, filter=filter, phase_method=phase_method)
     workflow.__postdesc__ = references_text(noise_floor, filter, complex_data=phase_method is not None)
-    inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in", "phase_file"]),
-                        name="inputnode")
-    outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "phase", "provenance"]),
-                         name="outputnode")
+    inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in", "phase_file",
+                                                  "echo_files"]), name="inputnode")
+    outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "phase", "provenance",
+                                                   "echo_denoised", "provenance_file"]), name="outputnode")
     if use_gpu is None:  # where a GPU is usable, and (the shape known) it would finish first
         use_gpu = gpu_probably_usable() and (shape is None or gpu_finishes_first(shape, extent, stride,
                                                                                num_threads))
@@ -275,10 +280,12 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         name="denoise", n_procs=n_procs, **({} if mem_gb is None else {"mem_gb": mem_gb}))
     sidecar = pe.Node(_MetadataSidecar(), name="sidecar", run_without_submitting=True)
     workflow.connect([
-        (inputnode, denoise, [("in_file", "in_file"), ("mask", "mask"), ("noise_in", "noise_in")]),
+        (inputnode, denoise, [("in_file", "in_file"), ("mask", "mask"), ("noise_in", "noise_in"),
+                              ("echo_files", "echo_files")]),
         (inputnode, sidecar, [("metadata", "metadata")]),
         (denoise, sidecar, [("provenance_file", "provenance_file")]),
-        (denoise, outputnode, [("out_file", "denoised"), ("noise_file", "noise"), ("rank_file", "rank")]),
+        (denoise, outputnode, [("out_file", "denoised"), ("noise_file", "noise"), ("rank_file", "rank"),
+                               ("echo_out_files", "echo_denoised"), ("provenance_file", "provenance_file")]),
         (sidecar, outputnode, [("out_file", "provenance")]),
     ])
     if phase_method is not None:
@@ -315,11 +322,12 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
         As for :func:`init_mppca_wf`; applied to every run.
 
     One ``init_mppca_wf`` sub-workflow per run, named after the run, each followed by a
-    :class:`mppca_nipype.bids.DerivativesSink` node. Each denoising node's ``n_procs`` and ``mem_gb`` come
+    :class:`mppca_nipype.bids.DerivativesSink` node. A multi-echo run (``run.echoes``) is denoised jointly by
+    one sub-workflow, and each echo gets its own sink (its own derivatives, sidecar and figures; the noise and
+    rank maps shared). Each denoising node's ``n_procs`` and ``mem_gb`` come
     from its input's shape (:func:`node_resources`), with ``num_threads`` as the most CPUs one may take.
     """
-    from ..bids import DerivativesSink, given_noise_map, noise_uri
-    from ..reports import RunReport
+    from ..bids import given_noise_map, noise_uri
 
     workflow = pe.Workflow(name=name)
     todo = [run for run in runs if run.skip is None]
@@ -341,6 +349,8 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
             # a complex run holds about twice a magnitude run's arrays (the complex series, the background
             # phase, the demodulated parts), and 'mppca' denoises 2T volumes first: sized as 2T volumes
             shape = (*shape[:3], 2 * shape[3])
+        if run.echoes and shape is not None:  # the node holds every echo (node_resources)
+            shape = shape[:3] + (shape[3] * (1 + len(run.echoes)),)
         run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
                                estimator=estimator, aggregation=aggregation, demean=demean, filter=filter,
                                use_gpu=use_gpu, num_threads=num_threads, shape=shape,
@@ -350,33 +360,62 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
                                phase_method=None if run.phase is None else phase_method)
         run_wf.inputs.inputnode.in_file = str(run.path)
         run_wf.inputs.inputnode.metadata = run.metadata
-        sink = pe.Node(DerivativesSink(source_file=run.relpath, output_dir=str(output_dir)),
-                       name=f"ds_{run.node_name}", run_without_submitting=True)
         if run.phase is not None:
             run_wf.inputs.inputnode.phase_file = str(run.phase.path)
-            sink.inputs.phase_source_file = run.phase.relpath
-            sink.inputs.phase_metadata = run.phase.metadata
-            workflow.connect([(run_wf, sink, [("outputnode.phase", "phase_file")])])
+        if run.echoes:
+            run_wf.inputs.inputnode.echo_files = [str(echo.path) for echo in run.echoes]
+        noise_source = None
         if noise_maps:
             noise_map = given_noise_map(run.relpath, noise_in, run.phase_relpath)
             run_wf.inputs.inputnode.noise_in = str(noise_map)
-            sink.inputs.noise_source = noise_uri(noise_map, noise_in)
+            noise_source = noise_uri(noise_map, noise_in)
         elif noise_in is not None:
             run_wf.inputs.inputnode.noise_in = float(noise_in)
-        if run.bval is not None:
-            sink.inputs.bval = str(run.bval)
-            sink.inputs.bvec = str(run.bvec)
-        workflow.connect([(run_wf, sink, [("outputnode.denoised", "in_file"), ("outputnode.noise", "noise_file"),
-                                          ("outputnode.rank", "rank_file"),
-                                          ("outputnode.provenance", "sidecar_file")])])
-        if reports:
-            report = pe.Node(RunReport(in_file=str(run.path), title=run.name), name=f"report_{run.node_name}")
-            workflow.connect([
-                (run_wf, report, [("outputnode.denoised", "denoised_file"), ("outputnode.noise", "noise_file"),
-                                  ("outputnode.rank", "rank_file"), ("outputnode.provenance", "provenance_file")]),
-                (report, sink, [("figures", "figures")]),
-            ])
+        # each echo's denoised series and sidecar (its own metadata beside the shared provenance)
+        outputs = [(run, "outputnode.denoised", "outputnode.provenance")]
+        for index, echo in enumerate(run.echoes):
+            pick = pe.Node(Select(index=index), name=f"select_{echo.node_name}", run_without_submitting=True)
+            sidecar = pe.Node(_MetadataSidecar(metadata=echo.metadata), name=f"sidecar_{echo.node_name}",
+                              run_without_submitting=True)
+            workflow.connect([(run_wf, pick, [("outputnode.echo_denoised", "inlist")]),
+                              (run_wf, sidecar, [("outputnode.provenance_file", "provenance_file")])])
+            outputs.append((echo, (pick, "out"), (sidecar, "out_file")))
+        for series, denoised, provenance in outputs:
+            sink = _sink_run(workflow, series, run_wf, denoised, provenance, output_dir, reports, noise_source)
+        if run.phase is not None:  # a magnitude/phase pair: the sink writes both parts
+            sink.inputs.phase_source_file = run.phase.relpath
+            sink.inputs.phase_metadata = run.phase.metadata
+            workflow.connect([(run_wf, sink, [("outputnode.phase", "phase_file")])])
     return workflow
+
+
+def _sink_run(workflow, run, run_wf, denoised, provenance, output_dir, reports, noise_source):
+    """The ``DerivativesSink`` (and QC report) of one run, or one echo of a multi-echo run: ``denoised`` and
+    ``provenance`` are an output of ``run_wf`` ("outputnode.x") or (node, output) pairs. Returns the sink."""
+    from ..bids import DerivativesSink
+    from ..reports import RunReport
+
+    def connect(source, destination, field):
+        node, output = (run_wf, source) if isinstance(source, str) else source
+        workflow.connect(node, output, destination, field)
+
+    sink = pe.Node(DerivativesSink(source_file=run.relpath, output_dir=str(output_dir)),
+                   name=f"ds_{run.node_name}", run_without_submitting=True)
+    if noise_source is not None:
+        sink.inputs.noise_source = noise_source
+    if run.bval is not None:
+        sink.inputs.bval = str(run.bval)
+        sink.inputs.bvec = str(run.bvec)
+    connect(denoised, sink, "in_file")
+    connect(provenance, sink, "sidecar_file")
+    workflow.connect([(run_wf, sink, [("outputnode.noise", "noise_file"), ("outputnode.rank", "rank_file")])])
+    if reports:
+        report = pe.Node(RunReport(in_file=str(run.path), title=run.name), name=f"report_{run.node_name}")
+        connect(denoised, report, "denoised_file")
+        connect(provenance, report, "provenance_file")
+        workflow.connect([(run_wf, report, [("outputnode.noise", "noise_file"), ("outputnode.rank", "rank_file")]),
+                          (report, sink, [("figures", "figures")])])
+    return sink
 
 
 def _series_shape(path):
