@@ -1336,3 +1336,21 @@ def test_weighted_projectors_are_v_diag_w_v_transposed(kernels, eigensolver):
     _, vectors = np.linalg.eigh(matrices)
     want = (vectors * weights[:, None, :]) @ vectors.transpose(0, 2, 1)
     np.testing.assert_allclose(projector, want, rtol=0, atol=1e-8)
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 2, "none"), ("weighted", 1, "volume"),
+                                                         ("center", 1, "none")])
+def test_group_contrasts_match_cpu_backend(kernels, aggregation, stride, demean):
+    """What ``demean="groups"`` and multi-echo series hand a backend: the group contrasts, ``none`` (or
+    ``volume``), the G removed means counted in the weight 1 / (1 + P + G)."""
+    from mppca_nipype.engine.groups import GroupContrasts
+
+    labels = np.repeat([0, 1, 2], [4, 7, 6])
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=labels.size, rank=3, sigma=5.0, seed=7)
+    transform = GroupContrasts(labels)
+    contrasts = transform.forward(noisy.reshape(-1, labels.size).astype(np.float64))[0]
+    contrasts = contrasts.reshape(noisy.shape[:3] + (transform.n_contrasts,)).astype(np.float32)
+    cpu, gpu, mask = run_both(contrasts, extent=3, stride=stride, estimator="exp2", aggregation=aggregation,
+                              demean=demean, removed_means=transform.n_groups)
+    assert_same_denoising(cpu, gpu, mask)
