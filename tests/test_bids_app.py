@@ -438,6 +438,7 @@ def test_the_echoes_of_a_multi_echo_run_are_denoised_jointly_one_derivative_each
         sidecar = read_json(tmp_path / "out" / echoes[6 * (echo - 1) + 1])  # its desc-denoised_bold.json
         assert sidecar["EchoTime"] == 0.015 * echo
         assert sidecar["MPPCADenoising"]["EngineInfo"]["echoes"] == 3
+    assert "The echoes of each multi-echo run were denoised jointly" in (tmp_path / "out/logs/CITATION.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------- failures

@@ -68,12 +68,12 @@ _FILTER_TEXT = {
 def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise_in=None,
                  noise_floor="none", coils=1, what="series", filter=DEFAULTS["filter"],  # noqa: A002
-                 phase_method=None) -> str:
+                 phase_method=None, echoes=False) -> str:
     """The methods paragraph for the given parameters (Markdown, with citations). ``noise_in``: None (the
     noise estimated per patch), a number (one given sigma) or "maps" (a given map per series);
     ``noise_floor`` and ``coils`` as for :func:`mppca_nipype.denoise`; ``phase_method``: how the background
     phase of the series saved with their phase was estimated (:func:`mppca_nipype.denoise_complex`), None
-    when none was."""
+    when none was; ``echoes``: some series were the echoes of multi-echo runs, denoised jointly."""
     from .. import __version__
 
     if extent == "auto":
@@ -126,7 +126,10 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
         f"[@veraart2016]) using mppca-nipype {__version__}. Local patches ({size}) were placed {grid}; "
         f"for each patch, the eigenvalues of the voxel-by-volume matrix{demeaning} were {split}, and "
         f"{_FILTER_TEXT[filter]}; {_AGGREGATION_TEXT[aggregation]}. Maps of {maps} and of the number of "
-        f"signal components were saved with the denoised data.{floor}{complex_data}\n"
+        f"signal components were saved with the denoised data.{floor}{complex_data}"
+        + (" The echoes of each multi-echo run were denoised jointly: each patch's matrix held the volumes of "
+           "every echo, after removing each voxel's mean per echo." if echoes else "")
+        + "\n"
     )
 
 
@@ -341,7 +344,8 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_kind,
                                      noise_floor=floor, coils=coils, what=what, filter=filter,
-                                     phase_method=phase_method if pairs else None)
+                                     phase_method=phase_method if pairs else None,
+                                     echoes=any(run.echoes for run in todo))
     workflow.__postdesc__ = references_text(floor, filter, complex_data=pairs)
     for run in todo:
         shape = _series_shape(run.path)
