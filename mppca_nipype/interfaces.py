@@ -33,6 +33,7 @@ from .engine import DEFAULTS, NOISE_FLOORS
 from .engine.gpu import absent_reason, visible_devices as visible_gpus
 from .engine.complex_data import PHASE_METHODS
 from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS, FILTERS
+from .engine.groups import GROUP_DEMEANING
 from .engine.patches import EXTENT_RULES
 
 LOGGER = logging.getLogger("nipype.interface")
@@ -190,9 +191,13 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
                             desc="Marchenko-Pastur noise estimator (Cordero-Grande 2019: exp2; Veraart 2016: exp1)")
     aggregation = traits.Enum(*default_first("aggregation", AGGREGATIONS), usedefault=True,
                               desc="how overlapping patches combine; 'center' needs stride 1")
-    demean = traits.Enum(*default_first("demean", DEMEANING), usedefault=True,
+    demean = traits.Enum(*default_first("demean", DEMEANING + GROUP_DEMEANING), usedefault=True,
                          desc="mean removed inside a patch before PCA: 'volume' the patch's mean time course, "
-                              "'voxel' each voxel's temporal mean, 'none' nothing (dwidenoise)")
+                              "'voxel' each voxel's temporal mean, 'none' nothing (dwidenoise), 'shells' each "
+                              "voxel's mean per b-value shell (bval_file), 'groups' each voxel's mean per group of "
+                              "volumes (volume_groups)")
+    bval_file = File(exists=True, desc="with demean 'shells': the b-values of in_file's volumes (FSL's .bval)")
+    volume_groups = traits.List(traits.Int, desc="with demean 'groups': the group label of each volume")
     filter = traits.Enum(*default_first("filter", FILTERS), usedefault=True,  # noqa: A003
                          desc="what each patch keeps of its components: 'hard' its P leading ones whole "
                               "(MP-PCA), 'optshrink' Gavish & Donoho's optimal shrinkage of the singular "
@@ -266,6 +271,10 @@ class MPPCADenoise(SimpleInterface):
         parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride,
                           estimator=self.inputs.estimator, aggregation=self.inputs.aggregation,
                           demean=self.inputs.demean, filter=self.inputs.filter)
+        if self.inputs.demean == "shells" and isdefined(self.inputs.bval_file):
+            parameters["bvals"] = io.read_numbers(self.inputs.bval_file, ".bval file")
+        if self.inputs.demean == "groups" and isdefined(self.inputs.volume_groups):
+            parameters["groups"] = list(self.inputs.volume_groups)
         phase = None
         if isdefined(self.inputs.phase_file):
             if echo_files:
@@ -320,7 +329,10 @@ class MPPCADenoise(SimpleInterface):
         provenance = collect_provenance(
             result, self.inputs.in_file,
             mask_file=self.inputs.mask if isdefined(self.inputs.mask) else None,
-            mask=mask, parameters=dict({k: v for k, v in parameters.items() if k != "noise"}, **noise_source,
+            mask=mask, parameters=dict({k: v for k, v in parameters.items() if k not in ("noise", "bvals")},
+                                       **noise_source,
+                                       **({"bval_file": Path(self.inputs.bval_file).name} if "bvals" in parameters
+                                          else {}),
                                        **({} if phase is None else dict(phase_file=Path(self.inputs.phase_file).name)),
                                        # the noise model, with a phase too (where the floor is 'none')
                                        noise_floor=self.inputs.noise_floor, coils=self.inputs.coils,

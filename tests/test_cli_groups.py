@@ -1,6 +1,7 @@
-"""``mppca-denoise --demean shells|groups:FILE`` and ``--echo``: the command writes what ``denoise()``
-computes from the same labels, b-values and echoes, and refuses bad label or b-value files with one sentence
-before reading the series, writing nothing."""
+"""``mppca-denoise --demean shells|groups:FILE`` and ``--echo``, and the Nipype interface's ``demean``
+``shells``/``groups`` and ``echo_files``: they write what ``denoise()`` computes from the same labels, b-values
+and echoes; the command refuses bad label or b-value files with one sentence before reading the series,
+writing nothing."""
 
 from __future__ import annotations
 
@@ -100,3 +101,27 @@ def test_an_echo_of_another_shape_fails_before_anything_is_written(tmp_path, dwi
     assert result.stderr.splitlines() == ["mppca-denoise: error: the echo dwi.nii.gz has shape (7, 6, 5, 24), but "
                                           "IN's is (7, 6, 5, 12)"]
     assert not list(tmp_path.glob("den-*"))
+
+
+def test_the_interface_takes_shells_groups_and_echoes(tmp_path, dwi, monkeypatch):
+    from mppca_nipype.interfaces import MPPCADenoise
+
+    monkeypatch.chdir(tmp_path)
+    options = dict(extent=3, stride=2, use_gpu=False, num_threads=1)
+    shells = MPPCADenoise(in_file=str(tmp_path / "dwi.nii.gz"), demean="shells", bval_file=str(tmp_path / "dwi.bval"),
+                          **options).run().outputs
+    expected = denoise(dwi, extent=3, stride=2, device="cpu", nprocs=1, demean="shells", bvals=BVALS)
+    np.testing.assert_array_equal(read(shells.out_file), expected.denoised)
+    labels = [int(label) for label in shell_labels(BVALS)]
+    groups = MPPCADenoise(in_file=str(tmp_path / "dwi.nii.gz"), demean="groups", volume_groups=labels,
+                          **options).run().outputs
+    np.testing.assert_array_equal(read(groups.out_file), expected.denoised)
+
+    noisy, _ = echo_phantom(shape=(7, 6, 5), n_volumes=10)
+    for e in range(3):
+        save(noisy[:, :, :, e], tmp_path / f"echo-{e + 1}.nii.gz")
+    echoes = MPPCADenoise(in_file=str(tmp_path / "echo-1.nii.gz"),
+                          echo_files=[str(tmp_path / f"echo-{e}.nii.gz") for e in (2, 3)], **options).run().outputs
+    joint = denoise(noisy, extent=3, stride=2, device="cpu", nprocs=1).denoised
+    for e, path in enumerate([echoes.out_file, *echoes.echo_out_files]):
+        np.testing.assert_array_equal(read(path), joint[:, :, :, e])

@@ -87,7 +87,9 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
     grid = ("centred on every voxel" if stride == 1
             else f"on a grid of step {stride} voxels (plus patches flush with the far edges)")
     demeaning = {"voxel": " after removing each voxel's temporal mean",
-                 "volume": " after removing the patch's mean time course"}.get(demean, "")
+                 "volume": " after removing the patch's mean time course",
+                 "shells": " after removing each voxel's mean over the volumes of each b-value shell",
+                 "groups": " after removing each voxel's mean over the volumes of each group"}.get(demean, "")
     if noise_in is None:
         split = (f"split into signal and noise by the Marchenko-Pastur law, with the noise level and number of "
                  f"signal components estimated as in MRtrix3's dwidenoise (estimator '{estimator}', "
