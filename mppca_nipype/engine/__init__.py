@@ -309,6 +309,9 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         group).
     bvals : (T,) numbers, optional
         For ``demean="shells"``: the b-value of each volume.
+    _removed_means : int
+        Internal: the means per voxel ``groups.denoise_by_groups`` took out of the series of group contrasts it
+        hands over (counted in the aggregation weight).
 
     Returns
     -------
