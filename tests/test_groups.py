@@ -229,3 +229,16 @@ def test_the_gpu_engine_matches_the_cpu(series, aggregation, stride):
         assert np.mean(rank_difference < 1e-3) >= 0.995
     else:  # the weighted means of the covering patches' ranks
         assert rank_difference.mean() <= 1e-2
+
+
+def test_a_volume_major_or_integer_series_gives_the_same_result_in_its_own_order():
+    labels = [0] * 5 + [1] * 9
+    data = grouped_series((6, 5, 5), labels, seed=6)
+    options = dict(demean="groups", groups=labels, extent=3, stride=2)
+    voxel_major = run_engine(data, **options).denoised
+    volume_major = run_engine(np.asfortranarray(data), **options).denoised
+    assert volume_major.flags.f_contiguous and not volume_major.flags.c_contiguous
+    np.testing.assert_array_equal(volume_major, voxel_major)
+    whole = np.round(data).astype(np.int16)
+    np.testing.assert_array_equal(run_engine(whole, **options).denoised,
+                                  run_engine(whole.astype(np.float32), **options).denoised)
