@@ -100,7 +100,8 @@ def worker_address() -> str | None:
 
 def denoise_remote(data, mask, parameters, *, phase=None, gpu_memory=None):
     """``denoise`` (or with ``phase``, ``denoise_complex``) of the series by the GPU worker, as
-    ``denoise(data, mask, **parameters, device="cuda", gpu_memory=gpu_memory)`` would return it here.
+    ``denoise(data, mask, **parameters, device="cuda", gpu_memory=gpu_memory)`` would return it here
+    (``data`` a 4D series, or the echoes of a multi-echo series as a 5D array or a list).
 
     The engine's warnings are raised again in this process, its errors too (``MPPCAInputError``,
     ``GPUOutOfMemoryError``). ``ConnectionError`` when the worker cannot be reached.
@@ -112,6 +113,8 @@ def denoise_remote(data, mask, parameters, *, phase=None, gpu_memory=None):
 
     address = worker_address()
     key = bytes.fromhex(os.environ.get(KEY_VARIABLE, ""))
+    if isinstance(data, (list, tuple)):  # the echoes of a multi-echo series, as the one array denoise takes
+        data = np.stack(data, axis=3)
     with ExitStack() as stack:
         request = dict(data=_shared_array(data, stack),
                        mask=None if mask is None else _shared_array(mask, stack),

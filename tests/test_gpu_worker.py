@@ -65,6 +65,14 @@ def test_complex_data_go_through_the_worker(served):
     np.testing.assert_array_equal(remote.phase, here.phase)
 
 
+def test_the_echoes_of_a_multi_echo_series_go_through_the_worker(served):
+    echoes = [low_rank_phantom((12, 11, 10), n_volumes=16, rank=3, sigma=5.0, seed=46 + e)[0] for e in range(3)]
+    remote = denoise_remote(echoes, None, {})
+    here = denoise(echoes, device="cpu")
+    assert remote.denoised.shape == (12, 11, 10, 3, 16)
+    np.testing.assert_array_equal(remote.denoised, here.denoised)
+
+
 def test_the_engines_errors_and_warnings_come_back_to_the_caller(served):
     noisy, _ = low_rank_phantom((12, 12, 10), n_volumes=20, rank=3, sigma=5.0, seed=43)
     with pytest.raises(MPPCAInputError, match="extent must be odd"):
