@@ -9,7 +9,7 @@ compute the same function.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import math
 import numbers
 import os
@@ -26,12 +26,13 @@ from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS, FILTERS
 from .groups import GROUP_DEMEANING, denoise_by_groups, shell_labels
 from .noise_floor import NOISE_FLOORS, check_noise_floor, denoise_magnitude
 from .layout import as_float32, empty_like_series, is_volume_major, planes_of_rows
+from .maps import MAPS, removed_variance, resolve_maps
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
 __all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "DenoiseOptions", "MPPCAInputError",
            "MPPCAWarning", "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "NOISE_STRIDE", "available_cpus",
            "check_device", "choose_device", "resolve_gpu_memory", "resolve_noise", "resolve_options",
-           "GPU_MEMORY_VARIABLE", "NOISE_FLOORS", "GROUP_DEMEANING", "shell_labels"]
+           "GPU_MEMORY_VARIABLE", "NOISE_FLOORS", "GROUP_DEMEANING", "shell_labels", "MAPS"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -68,12 +69,21 @@ class DenoiseResult:
     info : dict
         How the run was done: resolved options, backend, device, patch counts, and ``seconds``: the time of
         each phase of the call (input check, plan, backend, output).
+    lambda_plus : (X, Y, Z) float32 array or None
+        Asked for with ``maps``: each patch's Marchenko-Pastur upper edge sigma^2 (1 + sqrt(gamma))^2, in the
+        data's variance units (``estimators.marchenko_pastur_edge``), aggregated as ``sigma``. 0 outside the
+        mask. None when not asked for.
+    variance_removed : (X, Y, Z) float32 array or None
+        Asked for with ``maps``: the mean over volumes of (input - denoised)^2 (``maps.removed_variance``).
+        0 outside the mask. None when not asked for.
     """
 
     denoised: np.ndarray
     sigma: np.ndarray
     rank: np.ndarray
     info: dict = field(default_factory=dict)
+    lambda_plus: np.ndarray | None = None
+    variance_removed: np.ndarray | None = None
 
 
 def _check_choice(name, value, choices):
@@ -232,7 +242,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
             estimator=DEFAULTS["estimator"],
             aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
             noise=None, noise_floor="none", coils=1, device="auto", nprocs=None, gpu_memory=None,
-            progress=None, groups=None, bvals=None, _removed_means=0) -> DenoiseResult:
+            progress=None, groups=None, bvals=None, maps=(), _removed_means=0) -> DenoiseResult:
     """Denoise a 4D series, or a multi-echo 5D one, by Marchenko-Pastur PCA (MP-PCA).
 
     Each patch (a cuboid of ``extent`` voxels) becomes an n x T matrix; the eigenvalues of its Gram matrix
@@ -309,6 +319,14 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         group).
     bvals : (T,) numbers, optional
         For ``demean="shells"``: the b-value of each volume.
+    maps : str or iterable of str, optional
+        Extra maps to compute, from ``MAPS``: ``lambda_plus`` (each patch's Marchenko-Pastur upper edge,
+        aggregated as ``sigma``: one more sum per voxel in the backend) and ``variance_removed`` (the mean
+        square of input - denoised over volumes: one more pass over the series). Each is None in the result
+        unless asked for. ``lambda_plus`` is not available with a ``noise_floor`` (its edge would be the
+        transformed data's). With groups of volumes or echoes, ``lambda_plus`` is that of the patches of the
+        group contrasts (orthonormal: the same noise variance), ``variance_removed`` over every volume of
+        every echo.
     _removed_means : int
         Internal: the means per voxel ``groups.denoise_by_groups`` took out of the series of group contrasts it
         hands over (counted in the aggregation weight).
@@ -316,23 +334,34 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     Returns
     -------
     DenoiseResult
-        ``denoised`` (float32, same shape), ``sigma`` and ``rank`` maps, and ``info``.
+        ``denoised`` (float32, same shape), ``sigma`` and ``rank`` maps, ``info``, and the ``maps`` asked for.
 
     The defaults (extent "wide", stride 3, weighted, volume demeaning, exp2) were chosen by measurement
     (docs/benchmarks.md, "Choosing the defaults"); dwidenoise's mode is
     ``extent="auto", stride=1, aggregation="center", demean="none"``.
     """
+    maps = resolve_maps(maps)
     if demean in GROUP_DEMEANING or isinstance(data, (list, tuple)) or np.ndim(data) == 5:
-        return denoise_by_groups(data, mask, demean=demean, groups=groups, bvals=bvals, extent=extent,
-                                 stride=stride, estimator=estimator, aggregation=aggregation, filter=filter,
-                                 noise=noise, noise_floor=noise_floor, coils=coils, device=device, nprocs=nprocs,
-                                 gpu_memory=gpu_memory, progress=progress)
+        result = denoise_by_groups(data, mask, demean=demean, groups=groups, bvals=bvals, extent=extent,
+                                   stride=stride, estimator=estimator, aggregation=aggregation, filter=filter,
+                                   noise=noise, noise_floor=noise_floor, coils=coils, device=device, nprocs=nprocs,
+                                   gpu_memory=gpu_memory, progress=progress,
+                                   maps=tuple(name for name in maps if name != "variance_removed"))
+        if "variance_removed" in maps:
+            result.variance_removed = _removed_variance_of(data, mask, result.denoised)
+        return result
     if check_noise_floor(noise_floor, coils) and noise_floor != "none":
-        return denoise_magnitude(data, mask, noise_floor=noise_floor, coils=coils, noise=noise,
-                                 denoise_options=dict(extent=extent, stride=stride, estimator=estimator,
-                                                      aggregation=aggregation, demean=demean, filter=filter),
-                                 run_options=dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory,
-                                                  progress=progress))
+        if "lambda_plus" in maps:
+            raise MPPCAInputError("the lambda_plus map is not available with a noise floor: the patches' "
+                                  "Marchenko-Pastur edges are those of the variance-stabilised data")
+        result = denoise_magnitude(data, mask, noise_floor=noise_floor, coils=coils, noise=noise,
+                                   denoise_options=dict(extent=extent, stride=stride, estimator=estimator,
+                                                        aggregation=aggregation, demean=demean, filter=filter),
+                                   run_options=dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory,
+                                                    progress=progress))
+        if "variance_removed" in maps:
+            result.variance_removed = _removed_variance_of(data, mask, result.denoised)
+        return result
     seconds, last = {}, time.perf_counter()
 
     def lap(phase):  # the seconds since the last lap, as the phase's
@@ -344,6 +373,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
                               aggregation=aggregation, demean=demean, noise=noise, mask=mask, filter=filter,
                               removed_means=_removed_means)
+    if "lambda_plus" in maps:
+        options = replace(options, lambda_plus=True)
     check_nprocs(nprocs)
     gpu_memory = resolve_gpu_memory(gpu_memory)
     raw, data, finite, n_nonfinite = _finite_input(data, mask)
@@ -370,6 +401,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         sums.info["cpu_fallback"] = out_of_memory.reason
     lap("backend")
     result = _finish(raw, mask, finite, sums)
+    if "variance_removed" in maps:
+        result.variance_removed = removed_variance(raw, result.denoised, _served(sums, mask, finite))
     lap("output")
     result.info.update(sums.info)
     result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
@@ -558,7 +591,7 @@ def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
     volume as the sums are divided, not transposed after.
     """
     shape3 = data.shape[:3]
-    served = (sums.weight > 0).reshape(shape3) & mask & finite
+    served = _served(sums, mask, finite)
     if sums.normalized:
         image = np.asarray(sums.image, dtype=np.float32)
         if image.ndim == 4:  # (the backend gave the series in the caller's order)
@@ -580,4 +613,23 @@ def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
             denoised[keep_input] = data[keep_input]
     sigma = np.where(served, sigma, 0).astype(np.float32)
     rank = np.where(served, rank, 0).astype(np.float32)
-    return DenoiseResult(denoised, sigma, rank, info={})
+    result = DenoiseResult(denoised, sigma, rank, info={})
+    if sums.lambda_plus is not None:
+        edge = sums.lambda_plus if sums.normalized else sums.lambda_plus / weight
+        result.lambda_plus = np.where(served, edge.reshape(shape3), 0).astype(np.float32)
+    return result
+
+
+def _removed_variance_of(data, mask, denoised) -> np.ndarray:
+    """``maps.removed_variance`` of a result that did not come from one backend run (a noise floor's passes,
+    groups of volumes, echoes): the caller's series (a 4D or 5D array or a list of echoes) against its
+    denoised one, over every volume, at the finite voxels of the mask."""
+    series = np.stack(data, axis=3) if isinstance(data, (list, tuple)) else np.asarray(data)
+    series, denoised = (a.reshape(a.shape[:3] + (-1,)) for a in (series, denoised))
+    series, mask = check_data(series, mask)
+    return removed_variance(series, denoised, mask & _finite_voxels(series))
+
+
+def _served(sums: PatchSums, mask, finite) -> np.ndarray:
+    """(X, Y, Z) bool: the voxels of the mask that took part in a patch and got a value from the sums."""
+    return (sums.weight > 0).reshape(mask.shape) & mask & finite

@@ -37,6 +37,8 @@ class DenoiseOptions:
     #: Means per voxel removed before the series reached the backend (``groups.denoise_by_groups``: G group
     #: means); each costs the patch one parameter in the aggregation weight.
     removed_means: int = 0
+    #: Whether to aggregate each patch's Marchenko-Pastur upper edge too (``PatchSums.lambda_plus``).
+    lambda_plus: bool = False
 
     @property
     def demeaned(self) -> bool:
@@ -62,7 +64,8 @@ class PatchSums:
     ``image`` (X*Y*Z, T), ``weight``, ``sigma``, ``rank`` (X*Y*Z,), all float64 (or float32 from the GPU); a
     ``normalized`` image may also come as the (X, Y, Z, T) series in the caller's order.
     For ``center`` aggregation each voxel is served by exactly one patch with weight 1, so the sums are the
-    values themselves. ``normalized``: the backend has already divided ``image``, ``sigma`` and ``rank`` by
+    values themselves. ``normalized``: the backend has already divided ``image``, ``sigma``, ``rank`` (and
+``lambda_plus``) by
     ``weight`` (0 where the weight is 0), e.g. on its device; ``weight`` still says which voxels were served.
     """
 
@@ -72,6 +75,8 @@ class PatchSums:
     rank: np.ndarray
     info: dict = field(default_factory=dict)
     normalized: bool = False
+    #: With ``DenoiseOptions.lambda_plus``: the sums of each patch's lambda_+ (X*Y*Z,), weighted as ``sigma``.
+    lambda_plus: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from . import lapack
 from .backend import PatchSums, available_cpus
 from .errors import MPPCAWarning
 from .estimators import (aggregation_weights, component_weights, given_noise_threshold,
-                         marchenko_pastur_threshold)
+                         marchenko_pastur_edge, marchenko_pastur_threshold)
 from .layout import is_volume_major, rows_of_planes
 
 #: Memory one batch may use for its patch matrices (float64), per process. Small enough that NumPy's
@@ -118,7 +118,8 @@ class WindowFit:
     else m = n), ascending, of which only each window's ``rank`` leading ones (its last columns) are
     computed (``lapack.leading_eigenvectors``; the others are 0); ``rank`` and ``sigma2`` (B,); ``voxels``
     (B, n) flat indices and ``took_part`` (B, n) (finite voxels); ``weights`` (B, m): each component's weight
-    (``estimators.component_weights``), or None for the ``hard`` filter (the ``rank`` leading ones whole).
+    (``estimators.component_weights``), or None for the ``hard`` filter (the ``rank`` leading ones whole);
+    ``lambda_plus`` (B,): each window's Marchenko-Pastur upper edge when the options ask for it, else None.
     """
 
     patches: np.ndarray
@@ -130,6 +131,7 @@ class WindowFit:
     voxels: np.ndarray
     took_part: np.ndarray
     weights: np.ndarray | None = None
+    lambda_plus: np.ndarray | None = None
 
     def signal_components(self, windows=slice(None)):
         """(B, m) weight of each component in each window's reconstruction: ``weights``, else the mask of its
@@ -184,8 +186,8 @@ class WindowFit:
 class WindowSpectra:
     """The eigenvalues of a batch of windows and what the threshold made of them: ``forms`` (``lapack``, the
     eigenvalues and what ``leading_eigenvectors`` continues from), ``rank`` and ``sigma2`` (B,), and the
-    centred ``patches``, ``means``, ``time_side``, ``voxels``, ``took_part`` and ``weights`` as in
-    ``WindowFit``."""
+    centred ``patches``, ``means``, ``time_side``, ``voxels``, ``took_part``, ``weights`` and ``lambda_plus``
+    as in ``WindowFit``."""
 
     patches: np.ndarray
     means: np.ndarray | None
@@ -196,6 +198,7 @@ class WindowSpectra:
     voxels: np.ndarray
     took_part: np.ndarray
     weights: np.ndarray | None = None
+    lambda_plus: np.ndarray | None = None
 
 
 def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK) -> WindowFit:
@@ -206,7 +209,7 @@ def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK) -> Windo
     eigenvectors = lapack.leading_eigenvectors(spectra.forms, spectra.rank)
     clock.lap("eigenvectors")
     return WindowFit(spectra.patches, spectra.means, eigenvectors, spectra.time_side, spectra.rank,
-                     spectra.sigma2, spectra.voxels, spectra.took_part, spectra.weights)
+                     spectra.sigma2, spectra.voxels, spectra.took_part, spectra.weights, spectra.lambda_plus)
 
 
 def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK) -> WindowSpectra:
@@ -247,12 +250,16 @@ def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK) -> Wi
         rank = given_noise_threshold(forms.eigenvalues, n_voxels, n_volumes, sigma2)
     else:
         rank, sigma2 = marchenko_pastur_threshold(forms.eigenvalues, n_voxels, n_volumes, options.estimator)
+    lambda_plus = None
+    if options.lambda_plus:  # the edge the threshold placed, at its own P (before a filter recounts the rank)
+        lambda_plus = marchenko_pastur_edge(sigma2, rank, n_voxels, n_volumes,
+                                            None if options.noise_given else options.estimator)
     weights = None
     if options.filter != "hard":  # the noise level as known: the filter's weights decide what is kept
         weights = component_weights(forms.eigenvalues, n_voxels, n_volumes, sigma2, options.filter)
         rank = np.count_nonzero(weights, axis=1).astype(np.int64)
     clock.lap("threshold")
-    return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part, weights)
+    return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part, weights, lambda_plus)
 
 
 def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
@@ -315,6 +322,8 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: 
             sums.weight[voxel] = 1.0
             sums.sigma[voxel] = np.sqrt(fit.sigma2[window])
             sums.rank[voxel] = fit.rank[window]
+            if sums.lambda_plus is not None:
+                sums.lambda_plus[voxel] = fit.lambda_plus[window]
             clock.lap("accumulation")
         return
 
@@ -349,6 +358,7 @@ def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pen
     weight = np.zeros(slab_voxels)
     sigma = np.zeros(slab_voxels)
     rank = np.zeros(slab_voxels)
+    maps = (weight, sigma, rank) + ((np.zeros(slab_voxels),) if sums.lambda_plus is not None else ())
     for start in range(unit.start, unit.stop, step):
         stop = min(start + step, unit.stop)
         fit = fit_windows(volume, finite, plan, options, slice(start, stop), clock)
@@ -360,10 +370,10 @@ def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pen
         block = (ex, ey, ez, n_volumes)
         for b, (_, y0, z0) in enumerate(plan.window_corner[start:stop]):
             slab[:, y0:y0 + ey, z0:z0 + ez] += restored[b].reshape(block)
-        add_window_maps((weight, sigma, rank), fit, voxel_weight, slab_start)
+        add_window_maps(maps, fit, voxel_weight, slab_start)
         clock.lap("accumulation")
 
-    deposit(unit, plan, sums, (image, weight, sigma, rank), turns, clock, pending)
+    deposit(unit, plan, sums, (image,) + maps, turns, clock, pending)
 
 
 def window_voxel_weights(windows, options, plan, start, stop):
@@ -374,19 +384,21 @@ def window_voxel_weights(windows, options, plan, start, stop):
 
 
 def add_window_maps(maps, windows, voxel_weight, slab_start):
-    """Add the windows' weighted sums of weight, noise (sigma) and rank into a slab's ``maps`` (three flat
-    arrays over the slab's voxels, from row ``slab_start``)."""
-    weight, sigma, rank = maps
+    """Add the windows' weighted sums of weight, noise (sigma) and rank, and of lambda_+ when ``maps`` has a
+    fourth, into a slab's ``maps`` (flat arrays over the slab's voxels, from row ``slab_start``)."""
+    weight, sigma, rank, *lambda_plus = maps
     flat = (windows.voxels - slab_start).ravel()
     weight += np.bincount(flat, voxel_weight.ravel(), len(weight))
     sigma += np.bincount(flat, (voxel_weight * np.sqrt(windows.sigma2)[:, None]).ravel(), len(sigma))
     rank += np.bincount(flat, (voxel_weight * windows.rank[:, None]).ravel(), len(rank))
+    for edge in lambda_plus:
+        edge += np.bincount(flat, (voxel_weight * windows.lambda_plus[:, None]).ravel(), len(edge))
 
 
 def deposit(unit, plan, sums, slab, turns, clock, pending):
-    """Add a unit's ``slab`` sums ((image, weight, sigma, rank) over its ``extent[0]`` x-planes; image None for
-    the noise map alone) into ``sums``, plane by plane in the planes' turns; removes each plane from ``pending``
-    once added."""
+    """Add a unit's ``slab`` sums ((image, weight, sigma, rank[, lambda_plus]) over its ``extent[0]`` x-planes;
+    image None for the noise map alone) into ``sums``, plane by plane in the planes' turns; removes each plane
+    from ``pending`` once added."""
     plane = plan.spatial_shape[1] * plan.spatial_shape[2]
     slab_start = unit.x0 * plane
     while pending:
@@ -395,7 +407,7 @@ def deposit(unit, plan, sums, slab, turns, clock, pending):
         for i in ready:
             into = slice(slab_start + i * plane, slab_start + (i + 1) * plane)
             mine = slice(i * plane, (i + 1) * plane)
-            for total, part in zip((sums.image, sums.weight, sums.sigma, sums.rank), slab):
+            for total, part in zip((sums.image, sums.weight, sums.sigma, sums.rank, sums.lambda_plus), slab):
                 if part is not None:
                     total[into] += part[mine]
         turns.done(unit, ready)
@@ -447,7 +459,7 @@ def _attach(work, volume_name, volume_shape, finite_name, plan, options, outputs
         volume=np.ndarray(volume_shape, dtype=np.float32, buffer=volume_shm.buf),
         finite=np.ndarray(volume_shape[:1], dtype=bool, buffer=finite_shm.buf),
         plan=plan, options=options, handles=(volume_shm, finite_shm), profile=profile, work=work,
-        sums=PatchSums(*(None if output is None else _shared_view(*output) for output in outputs)),
+        sums=_patch_sums([None if output is None else _shared_view(*output) for output in outputs]),
         turns=PlaneTurns(_shared_view(*turns[0]), turns[1]),
     )
     _one_thread()
@@ -586,13 +598,15 @@ def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, 
     context = _process_context(nprocs)
     if context is None:
         nprocs = 1
-    output_shapes = [((n_voxels, n_volumes), np.float32) if image else None] + [((n_voxels,), np.float64)] * 3
+    # image, weight, sigma, rank, and lambda_+ when asked for
+    output_shapes = ([((n_voxels, n_volumes), np.float32) if image else None]
+                     + [((n_voxels,), np.float64)] * (4 if options.lambda_plus else 3))
     reports = []
     clock.lap("setup")
 
     if nprocs == 1:
         volume = _voxel_major(data, np.empty)
-        sums = PatchSums(*(None if shape is None else np.zeros(*shape) for shape in output_shapes))
+        sums = _patch_sums([None if shape is None else np.zeros(*shape) for shape in output_shapes])
         turns = PlaneTurns(np.zeros(plan.spatial_shape[0], dtype=np.int64), threading.Condition())
         undo = _one_thread()
         process = process_threads() if profile else None
@@ -613,7 +627,7 @@ def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, 
     else:
         outputs = [None if shape is None else _shared_zeros(*shape, context) for shape in output_shapes]
         added = _shared_zeros((plan.spatial_shape[0],), np.int64, context)
-        sums = PatchSums(*(None if output is None else _shared_view(*output) for output in outputs))
+        sums = _patch_sums([None if output is None else _shared_view(*output) for output in outputs])
         clock.lap("outputs")
         volume_shm, finite_shm = None, _shared_copy(finite_flat)
         try:
@@ -644,6 +658,12 @@ def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, 
     if profile:
         sums.info["profile"] = profile_summary(reports, clock.seconds, started, seconds, len(units))
     return sums
+
+
+def _patch_sums(arrays) -> PatchSums:
+    """The ``PatchSums`` of ``run_units``'s outputs: image, weight, sigma, rank and, if there, lambda_plus."""
+    image, weight, sigma, rank, *lambda_plus = arrays
+    return PatchSums(image, weight, sigma, rank, lambda_plus=lambda_plus[0] if lambda_plus else None)
 
 
 def profile_summary(reports, parent_seconds, started, wall, n_units) -> dict:

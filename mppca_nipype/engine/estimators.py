@@ -145,6 +145,43 @@ def given_noise_threshold(eigenvalues, n_voxels, n_volumes, sigma2):
     return xp.astype(xp.sum(xp.astype(signal, xp.int64), axis=1), xp.int64)
 
 
+def marchenko_pastur_edge(sigma2, rank, n_voxels, n_volumes, estimator: str | None = None):
+    """lambda_+, the upper edge of each patch's Marchenko-Pastur noise bulk, as its threshold placed it.
+
+    Parameters
+    ----------
+    sigma2 : (B,) array
+        Each patch's noise variance (estimated or given; 0 where no rank was noise-compatible).
+    rank : (B,) integer array
+        P, the number of signal components the threshold chose (before any filter).
+    n_voxels, n_volumes
+        The degrees of freedom on each side, as ``marchenko_pastur_threshold`` takes them.
+    estimator : {"exp2", "exp1"} or None
+        The estimator that chose P, or None for a given noise level.
+
+    Returns
+    -------
+    (B,) array
+        lambda_+ = sigma^2 (1 + sqrt(gamma))^2 (the Marchenko-Pastur law's upper edge; Veraart 2016), in
+        the units of lambda_i = s_i / q: the data's variance. gamma is the threshold's own: (r - P) / q for ``exp1``
+        (Veraart 2016), (r - P) / (q - P) for ``exp2`` (Cordero-Grande 2019), r / q for a given level
+        (``given_noise_threshold``); q = max(n, T), r = min(n, T).
+    """
+    xp = array_namespace(sigma2)
+    dtype = sigma2.dtype
+    n_voxels, n_volumes = (_counts_beside(xp, value, sigma2) for value in (n_voxels, n_volumes))
+    r = xp.astype(xp.minimum(n_voxels, n_volumes), dtype)
+    q = xp.astype(xp.maximum(n_voxels, n_volumes), dtype)
+    p = xp.astype(rank, dtype)
+    if estimator is None:
+        gamma = r / q
+    elif estimator == "exp1":
+        gamma = (r - p) / q
+    else:  # (q - P is 0 only where P = r = q: no noise component, gamma 0)
+        gamma = (r - p) / xp.clip(q - p, min=1)
+    return sigma2 * (1.0 + xp.sqrt(gamma)) ** 2
+
+
 def _usable_components(xp, eigenvalues, n_voxels, n_volumes):
     """(r, q, usable) of each patch: r = min(n, T) and q = max(n, T) in the eigenvalues' dtype (B,), and
     (B, m) whether each eigenvalue is one of the top r (the rest are null directions)."""

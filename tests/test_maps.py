@@ -1,0 +1,150 @@
+"""The extra maps ``denoise(maps=...)`` returns: each patch's Marchenko-Pastur upper edge aggregated to voxels
+(``lambda_plus``) against a float64 loop over the patches, and the variance each voxel lost
+(``variance_removed``) against its definition."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mppca_nipype.engine import MPPCAInputError, check_data, denoise, plan_patches, resolve_options
+from mppca_nipype.engine.cpu import denoise_cpu
+from mppca_nipype.phantoms import low_rank_phantom
+from reference import (mp_threshold, given_noise_rank, patch_matrix, patch_spectrum, reference_extent,
+                       reference_patches, window_voxels)
+
+pytestmark = [pytest.mark.filterwarnings("ignore:patches of"), pytest.mark.filterwarnings("ignore:1 voxels hold NaN")]
+
+
+def lambda_plus_reference(data, mask, *, extent, stride, aggregation, demean, estimator, noise=None):
+    """(X, Y, Z) float64: each patch's lambda_+ = sigma^2 (1 + sqrt(gamma))^2 at its P_hat, one patch at a time,
+    aggregated as the noise map is (its centre's own patch, or the mean weighted by 1 / (1 + P + demeaned) or
+    by 1), 0 outside the mask and at non-finite voxels. gamma = (r - P) / q (exp1), (r - P) / (q - P) (exp2),
+    or r / q for a given noise level (one number)."""
+    shape3, n_volumes = data.shape[:3], data.shape[3]
+    finite = np.isfinite(data).all(axis=3)
+    extent = reference_extent(extent, shape3, n_volumes)
+    total, weight = np.zeros(shape3), np.zeros(shape3)
+    for corner, centre in reference_patches(shape3, extent, stride, mask, finite):
+        X, kept = patch_matrix(data, window_voxels(corner, extent), finite)
+        n, T = X.shape
+        if demean == "voxel":
+            X, T = X - X.mean(axis=1, keepdims=True), T - 1
+        elif demean == "volume":
+            X, n = X - X.mean(axis=0, keepdims=True), n - 1
+        eigenvalues = patch_spectrum(X)[0]
+        r, q = min(n, T), max(n, T)
+        if noise is None:
+            P, sigma2 = mp_threshold(eigenvalues, n, T, estimator)
+            gamma = (r - P) / q if estimator == "exp1" else ((r - P) / (q - P) if q > P else 0.0)
+        else:
+            sigma2 = float(noise) ** 2
+            P, gamma = given_noise_rank(eigenvalues, n, T, sigma2), r / q
+        edge = sigma2 * (1.0 + math.sqrt(gamma)) ** 2
+        if aggregation == "center":
+            total[centre], weight[centre] = edge, 1.0
+            continue
+        w = 1.0 / (1 + P + (demean != "none")) if aggregation == "weighted" else 1.0
+        for voxel in kept:
+            total[voxel] += w * edge
+            weight[voxel] += w
+    served = mask & finite & (weight > 0)
+    return np.where(served, total / np.where(served, weight, 1.0), 0.0)
+
+
+def awkward_phantom(shape, n_volumes, seed):
+    """A low-rank phantom with one voxel of NaN and a mask that leaves out a corner."""
+    noisy, _ = low_rank_phantom(shape, n_volumes=n_volumes, rank=3, sigma=5.0, seed=seed)
+    noisy = noisy.astype(np.float32)
+    noisy[1, 2, 3, 4] = np.nan
+    mask = np.ones(shape, dtype=bool)
+    mask[:2, :2, :] = False
+    return noisy, mask
+
+
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("uniform", 3), ("center", 1)])
+@pytest.mark.parametrize("demean, estimator", [("none", "exp1"), ("voxel", "exp2"), ("volume", "exp2")])
+def test_lambda_plus_is_each_patchs_edge_aggregated_as_sigma(aggregation, stride, demean, estimator):
+    noisy, mask = awkward_phantom((7, 6, 5), 13, seed=stride)
+    options = dict(extent=(3, 5, 3), stride=stride, aggregation=aggregation, demean=demean, estimator=estimator)
+    result = denoise(noisy, mask, device="cpu", nprocs=1, maps="lambda_plus", **options)
+    expected = lambda_plus_reference(noisy, mask, **options)
+    assert result.lambda_plus.dtype == np.float32 and result.lambda_plus.shape == noisy.shape[:3]
+    assert np.count_nonzero(expected) > 0.8 * mask.sum()
+    np.testing.assert_allclose(result.lambda_plus, expected, rtol=1e-5, atol=1e-6 * expected.max())
+    # the edge lies above the noise variance, by (1 + sqrt(gamma))^2 < 4
+    inside = expected > 0
+    assert np.all(result.lambda_plus[inside] > result.sigma[inside] ** 2 * 0.99)
+
+
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
+def test_lambda_plus_of_a_given_noise_level_takes_gamma_r_over_q(aggregation, stride):
+    noisy, mask = awkward_phantom((6, 7, 5), 11, seed=5)
+    options = dict(extent=3, stride=stride, aggregation=aggregation, demean="volume", estimator="exp2")
+    result = denoise(noisy, mask, noise=4.0, device="cpu", nprocs=1, maps=["lambda_plus"], **options)
+    expected = lambda_plus_reference(noisy, mask, noise=4.0, **options)
+    np.testing.assert_allclose(result.lambda_plus, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_lambda_plus_is_the_same_for_any_number_of_processes():
+    noisy, mask = awkward_phantom((9, 6, 5), 13, seed=2)
+    one, two = (denoise(noisy, mask, extent=3, stride=2, device="cpu", nprocs=nprocs, maps="lambda_plus")
+                for nprocs in (1, 2))
+    np.testing.assert_array_equal(one.lambda_plus, two.lambda_plus)
+
+
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 3), ("center", 1)])
+def test_variance_removed_is_the_mean_square_of_input_minus_denoised(aggregation, stride):
+    noisy, mask = awkward_phantom((7, 5, 6), 12, seed=3)
+    result = denoise(noisy, mask, extent=3, stride=stride, aggregation=aggregation, device="cpu", nprocs=1,
+                     maps="variance_removed")
+    finite = np.isfinite(noisy).all(axis=3)
+    residual = noisy.astype(np.float64) - result.denoised.astype(np.float64)
+    expected = np.where(mask & finite, np.mean(np.where(finite[..., None], residual, 0) ** 2, axis=3), 0)
+    np.testing.assert_allclose(result.variance_removed, expected, rtol=1e-6, atol=1e-9)
+    assert result.variance_removed[1, 2, 3] == 0 and not result.variance_removed[~mask].any()
+    # noise of sigma 5 on a rank-3 signal: about sigma^2 removed, a little less (kept components keep some)
+    inside = mask & finite
+    assert 0.5 * 25 < np.median(result.variance_removed[inside]) < 25
+
+
+def test_variance_removed_of_a_volume_major_series_is_the_same():
+    noisy, mask = awkward_phantom((6, 5, 5), 10, seed=4)
+    c_order = denoise(noisy, mask, extent=3, stride=2, device="cpu", nprocs=1, maps="variance_removed")
+    f_order = denoise(np.asfortranarray(noisy), mask, extent=3, stride=2, device="cpu", nprocs=1,
+                      maps="variance_removed")
+    np.testing.assert_array_equal(c_order.variance_removed, f_order.variance_removed)
+
+
+def test_maps_not_asked_for_are_none_and_cost_the_backend_nothing():
+    noisy, _ = low_rank_phantom((6, 5, 5), n_volumes=10, rank=2, sigma=3.0, seed=6)
+    result = denoise(noisy, extent=3, stride=2, device="cpu", nprocs=1)
+    assert result.lambda_plus is None and result.variance_removed is None
+    only_one = denoise(noisy, extent=3, stride=2, device="cpu", nprocs=1, maps="variance_removed")
+    assert only_one.lambda_plus is None and only_one.variance_removed is not None
+    data, mask = check_data(noisy, None)
+    options = resolve_options(data.shape, extent=3, stride=2, estimator="exp2", aggregation="weighted",
+                              demean="volume")
+    finite = np.ones(data.shape[:3], dtype=bool)
+    sums = denoise_cpu(data, finite, plan_patches(data.shape[:3], options.extent, options.stride, mask, finite),
+                       options, nprocs=1)
+    assert sums.lambda_plus is None
+
+
+def test_an_unknown_map_is_refused_in_one_sentence():
+    noisy, _ = low_rank_phantom((5, 5, 5), n_volumes=8, rank=2, sigma=3.0, seed=7)
+    with pytest.raises(MPPCAInputError, match="maps must be among lambda_plus, variance_removed, not 'lamplus'"):
+        denoise(noisy, device="cpu", maps=("lambda_plus", "lamplus"))
+
+
+def test_with_a_noise_floor_variance_removed_is_given_and_lambda_plus_refused():
+    noisy, _ = low_rank_phantom((6, 5, 5), n_volumes=10, rank=2, sigma=3.0, seed=8)
+    magnitude = np.abs(noisy)
+    with pytest.raises(MPPCAInputError, match="lambda_plus map is not available with a noise floor"):
+        denoise(magnitude, noise_floor="rician", device="cpu", maps="lambda_plus")
+    result = denoise(magnitude, extent=3, stride=2, noise_floor="rician", device="cpu", nprocs=1,
+                     maps="variance_removed")
+    expected = np.mean((magnitude.astype(np.float64) - result.denoised) ** 2, axis=3)
+    np.testing.assert_allclose(result.variance_removed, expected, rtol=1e-6)
