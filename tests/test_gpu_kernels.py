@@ -1354,3 +1354,86 @@ def test_group_contrasts_match_cpu_backend(kernels, aggregation, stride, demean)
     cpu, gpu, mask = run_both(contrasts, extent=3, stride=stride, estimator="exp2", aggregation=aggregation,
                               demean=demean, removed_means=transform.n_groups)
     assert_same_denoising(cpu, gpu, mask)
+
+
+def assert_same_lambda_plus(cpu, gpu, mask, tolerance=1e-4):
+    """The lambda_+ maps of two backends' sums agree to ``tolerance`` in rms relative difference over the
+    served voxels (the GPU sums in float32, the CPU in float64)."""
+    served = (cpu.weight > 0) & mask.ravel()
+    edges = [sums.lambda_plus[served] / (1.0 if sums.normalized else sums.weight[served]) for sums in (cpu, gpu)]
+    assert np.all(edges[0] > 0)
+    assert np.sqrt(np.mean((edges[1] - edges[0]) ** 2) / np.mean(edges[0] ** 2)) <= tolerance
+
+
+@interpreted
+@pytest.mark.parametrize("path, aggregation, stride, demean, planes", [
+    ("auto", "weighted", 2, "voxel", None), ("fused", "uniform", 3, "volume", 2),
+    ("gather", "weighted", 2, "none", None), ("fused", "center", 1, "volume", None)])
+def test_lambda_plus_is_aggregated_as_the_cpu_backend_aggregates_it(kernels, path, aggregation, stride, demean,
+                                                                    planes):
+    """Each window's Marchenko-Pastur edge added with its weight (or written at its centre) on every path: the
+    box sums', the fused kernels' in slabs with a halo, the gathered path's, and centre aggregation; with a
+    mask and a non-finite voxel where the path takes them."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=13, rank=3, sigma=5.0, seed=31)
+    mask = None
+    if demean != "voxel":  # (the box sums take full grids of finite voxels only)
+        noisy[2, 3, 1, 5] = np.nan
+        mask = np.ones(noisy.shape[:3], dtype=bool)
+        mask[:2, :2] = False
+    data, mask, finite, plan, options = prepared(noisy, mask, extent=3, stride=stride, estimator="exp2",
+                                                 aggregation=aggregation, demean=demean)
+    options = dataclasses.replace(options, lambda_plus=True)
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    gpu = denoise_gpu(data, finite, plan, options, device="cpu", path=path, planes=planes)
+    assert gpu.info["gram_path"] == ("box" if path == "auto" else path)
+    assert_same_denoising(cpu, gpu, mask & finite)
+    assert_same_lambda_plus(cpu, gpu, mask & finite)
+    assert denoise_gpu(data, finite, plan, dataclasses.replace(options, lambda_plus=False), device="cpu",
+                       path=path, planes=planes).lambda_plus is None
+
+
+@interpreted
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
+def test_lambda_plus_of_windows_redone_in_float64_and_on_the_cpu(kernels, monkeypatch, aggregation, stride):
+    from mppca_nipype.engine.gpu import pipeline, plan as plan_module
+
+    noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=9)
+    data, mask, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp1",
+                                                 aggregation=aggregation, demean="volume")
+    options = dataclasses.replace(options, lambda_plus=True)
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    monkeypatch.setattr(plan_module, "BatchedEigh", _SolverThatFailsSomeWindows)
+    gpu = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", max_batch=7, planes=2)
+    assert gpu.info["n_settled_in_float64"] >= plan.n_windows // 3 and gpu.info["n_redone_on_cpu"] >= 2
+    assert_same_lambda_plus(cpu, gpu, mask)
+
+
+@interpreted
+def test_lambda_plus_with_the_settling_pass_chosen_on_the_device(kernels, monkeypatch):
+    from mppca_nipype.engine.gpu import pipeline, threshold
+
+    monkeypatch.setattr(threshold, "TRIDIAGONAL_SETTLE_SLACK", 3e3)  # wide: some windows, not all, redone
+    noisy, _ = low_rank_phantom((9, 7, 8), n_volumes=15, rank=3, sigma=5.0, seed=21)
+    data, mask, finite, plan, options = prepared(noisy, extent=(5, 3, 5), stride=2, estimator="exp2",
+                                                 aggregation="uniform", demean="volume")
+    options = dataclasses.replace(options, lambda_plus=True)
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    gpu = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", eigensolver="tridiagonal", path="fused",
+                               planes=2)
+    assert 0 < gpu.info["n_settled_in_float64"] < plan.n_windows
+    assert_same_lambda_plus(cpu, gpu, mask)
+
+
+@interpreted
+def test_lambda_plus_of_a_given_noise_level_on_the_gpu_path(kernels):
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=4)
+    data, mask, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2",
+                                                 aggregation="weighted", demean="volume", noise=5.0)
+    options = dataclasses.replace(options, lambda_plus=True)
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    gpu = denoise_gpu(data, finite, plan, options, device="cpu")
+    assert_same_lambda_plus(cpu, gpu, mask, tolerance=1e-6)

@@ -15,7 +15,9 @@ box reconstructs them. ``SlabWindows.batch`` runs a batch with no host synchroni
    other than ``hard``), the window's weight (``aggregation_weights`` times its
    multiplicity), and the reconstruction: into the box (first pass), by the fused kernels
    (``reconstruction``), or gathered (torch), added into the slab's sums (``sums.SlabSums``), or for
-   ``center`` each centre row written to its voxel.
+   ``center`` each centre row written to its voxel. Where the run asks for it, each window's
+   Marchenko-Pastur edge (``estimators.marchenko_pastur_edge``) is added, weighted as sigma, into the sums'
+   ``lambda_plus`` (torch, whichever path reconstructs: ``SlabWindows.add_lambda_plus``).
 
 Everything a batch needs is allocated before anything is added into the sums, so that a batch that runs
 out of memory can be redone smaller (``plan.run_in_batches``).
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..estimators import aggregation_weights, component_weights
+from ..estimators import aggregation_weights, component_weights, marchenko_pastur_edge
 from . import reconstruction, threshold
 from .gram import gather_gram, gram
 from .threshold import rounding_uncertainty, threshold_on_device, unresolved_projectors
@@ -153,6 +155,10 @@ class SlabWindows:
         patch_rank, sigma2, unsettled = threshold_on_device(values, usable_voxels, usable_volumes,
                                                             run.options.estimator, delta,
                                                             self._given_variance(selection, len(values)))
+        edge = None
+        if run.options.lambda_plus:  # the edge the threshold placed, at its own P (before a filter recounts it)
+            edge = marchenko_pastur_edge(sigma2, patch_rank, usable_voxels, usable_volumes,
+                                         None if run.noise_variance is not None else run.options.estimator)
         weights = None
         if run.options.filter != "hard":  # the noise level as known: the filter's weights decide what is kept
             weights = component_weights(values, usable_voxels, usable_volumes, sigma2, run.options.filter)
@@ -177,9 +183,36 @@ class SlabWindows:
             patch_weight = torch.where(keep, aggregation_weights(patch_rank, run.options.mean_parameters,
                                                                  run.options.aggregation)
                                        * selection.multiplicity, 0.0).to(torch.float32)
+        edge_addend = self._lambda_plus_addend(selection, patch_weight, edge) if edge is not None else None
         self._reconstruct(windows, selection, fused, gathered, volume_mean if not rank_one else None, projector,
                           patch_weight, torch.sqrt(sigma2).to(torch.float32), patch_rank.to(torch.float32))
+        if edge_addend is not None:
+            self.add_lambda_plus(*edge_addend)
         return info, unsettled
+
+    def _lambda_plus_addend(self, selection, patch_weight, edge):
+        """(rows, values, replace) of the windows' lambda_+ ``edge`` (B,) for the sums, made before anything is
+        added (a batch that runs out of memory is redone): for ``center`` each centre's own window's, to write,
+        else w * lambda_+ for every finite voxel of each window, to add (as the kernels add w * sigma)."""
+        run = self.run
+        kept = patch_weight != 0  # (where, not a product: a window left out may hold any number)
+        if run.center:
+            rows, own_window, _ = selection.centres
+            values = torch.where(kept, patch_weight * edge, 0.0)[own_window]
+            return rows, values.to(torch.float32), True
+        base = selection.base
+        if selection.asked is not None:  # the places past the count hold no window: any row will do there
+            base = torch.where(selection.asked, base, torch.zeros_like(base))
+        voxels = base[:, None].to(torch.int64) + run.voxel_offsets[None, :].to(torch.int64)
+        values = torch.where(kept, patch_weight * edge, 0.0)[:, None] * self.finite[voxels]
+        return voxels.reshape(-1), values.reshape(-1).to(torch.float32), False
+
+    def add_lambda_plus(self, rows, values, replace):
+        """Write (``replace``) or add a batch's lambda_+ ``values`` into the sums' rows."""
+        if replace:
+            self.sums.lambda_plus[rows] = values
+        else:
+            self.sums.lambda_plus.index_add_(0, rows, values)
 
     def _grams(self, windows, selection, dtype, fused, refine, rank_one):
         """Step 1 of ``batch``: the Gram matrices (B, m, m), the voxels that took part (B,), and the patches'

@@ -35,6 +35,7 @@ def may_replay(plan, options, finite, n_volumes, settings) -> bool:
     return (enabled() and settings.path in ("auto", "box") and settings.eigensolver in ("auto", "tridiagonal")
             and settings.precision in ("auto", "float32") and settings.settle
             and not options.noise_given  # (a given map is the run's own: a graph would read another run's)
+            and not options.lambda_plus  # (its sums are added apart from the captured kernels)
             and boxsums.applies(plan, options, finite, n_volumes, torch.float32, True))
 
 

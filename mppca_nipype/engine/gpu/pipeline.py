@@ -135,8 +135,9 @@ class _GPURunOfSlabs:
                         and is_volume_major(self.data))
         image_shape = ((self.n_volumes,) + self.data.shape[2::-1] if volume_major
                        else (self.n_rows, self.n_volumes))
+        n_maps = 4 if self.options.lambda_plus else 3  # weight, sigma, rank (, lambda_plus)
         outputs = [torch.empty(shape, dtype=torch.float32, pin_memory=self.on_gpu)
-                   for shape in (image_shape,) + ((self.n_rows,),) * 3]
+                   for shape in (image_shape,) + ((self.n_rows,),) * n_maps]
         downloads = torch.cuda.Stream(self.device) if self.on_gpu else None
         timeline.mark("set up")
         carried, done_windows = None, 0
@@ -145,7 +146,7 @@ class _GPURunOfSlabs:
             if self.kept_graphs is not None:  # (one slab) the sums the geometry's graphs add into
                 sums = self.kept_graphs.sums_for(n_rows, self.n_volumes, self.device)
             else:
-                sums = SlabSums(n_rows, self.n_volumes, self.device, carried)
+                sums = SlabSums(n_rows, self.n_volumes, self.device, carried, self.options.lambda_plus)
             final = (slab.done - slab.first) * self.plane
             finisher = Finisher(sums, [None] + outputs[1:] if volume_major else outputs, slab.first * self.plane,
                                 final, self.settings.normalize, downloads)
@@ -162,10 +163,11 @@ class _GPURunOfSlabs:
         run.download_counts()
         timeline.mark("all queued")
         peak, device_name = self._wait_for_the_device(downloads)
-        image, weight, sigma, rank = (x.numpy() for x in outputs)
+        image, weight, sigma, rank, *lambda_plus = (x.numpy() for x in outputs)
         if volume_major:
             image = image.transpose(3, 2, 1, 0)  # (X, Y, Z, T), as the caller's series
         return PatchSums(image, weight, sigma, rank, normalized=self.settings.normalize,
+                         lambda_plus=lambda_plus[0] if lambda_plus else None,
                          info=dict(backend="gpu", device=device_name, eigensolver=run.solver.backend,
                                    gram_precision=str(run.dtype).replace("torch.", ""),
                                    gram_path=run.gram_path, batch=run.step,

@@ -272,8 +272,8 @@ class PartFinishing:
 
 def cpu_contributions(data, finite, plan, options, windows):
     """What the windows whose eigensolve failed on the device give, computed by the CPU backend's functions:
-    ``(rows, (image, weight, sigma, rank), replace)``: values to add into those rows, or for centre
-    aggregation to write there (``replace``)."""
+    ``(rows, (image, weight, sigma, rank[, lambda_plus]), replace)``: values to add into those rows, or for
+    centre aggregation to write there (``replace``); lambda_plus where the options ask for it."""
     from ..cpu import fit_windows
 
     n_volumes = data.shape[3]
@@ -285,9 +285,13 @@ def cpu_contributions(data, finite, plan, options, windows):
         rows = plan.centre_voxel[centres]
         values = (restored[own, plan.centre_position[centres]], np.ones(len(rows)),
                   np.sqrt(fit.sigma2[own]), fit.rank[own])
+        if fit.lambda_plus is not None:
+            values += (fit.lambda_plus[own],)
         return rows, values, True
     w = aggregation_weights(fit.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[windows]
     voxel_weight = w[:, None] * fit.took_part
     values = ((restored * voxel_weight[:, :, None]).reshape(-1, n_volumes), voxel_weight.ravel(),
               (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), (voxel_weight * fit.rank[:, None]).ravel())
+    if fit.lambda_plus is not None:
+        values += ((voxel_weight * fit.lambda_plus[:, None]).ravel(),)
     return fit.voxels.ravel(), values, False

@@ -1,9 +1,9 @@
 """The per-voxel sums of a slab on the device, and their way to the caller: divided and downloaded.
 
 ``SlabSums``: image (rows, T) and weight, sigma, rank (rows,) of one slab's rows, float32, starting from the
-halo the previous slab carried. ``Finisher``: a slab's rows divided by their weights (``divide_rows``, one
-kernel) and copied into the run's page-locked outputs as they get their last addition, on a stream of its
-own while the device goes on computing.
+halo the previous slab carried; lambda_+ (rows,) too when the run asks for it. ``Finisher``: a slab's rows
+divided by their weights (``divide_rows``, one kernel) and copied into the run's page-locked outputs as they
+get their last addition, on a stream of its own while the device goes on computing.
 """
 
 from __future__ import annotations
@@ -52,36 +52,48 @@ def divide_rows(image, weight, sigma, rank, rows: slice):
 
 class SlabSums:
     """The per-voxel sums of one slab's rows on the device: image (rows, T), weight, sigma and rank (rows,),
-    starting from the halo sums the previous slab ``carried`` into its first rows."""
+    and with ``lambda_plus`` each window's Marchenko-Pastur edge (rows,) (``batch.SlabWindows``, weighted as
+    sigma), starting from the halo sums the previous slab ``carried`` into its first rows."""
 
-    def __init__(self, n_rows, n_volumes, device, carried=None):
+    def __init__(self, n_rows, n_volumes, device, carried=None, lambda_plus=False):
         self.image = torch.zeros((n_rows, n_volumes), dtype=torch.float32, device=device)
         self.weight, self.sigma, self.rank = (torch.zeros(n_rows, dtype=torch.float32, device=device)
                                               for _ in range(3))
+        self.lambda_plus = torch.zeros(n_rows, dtype=torch.float32, device=device) if lambda_plus else None
         if carried is not None:
-            for sums, values in zip(self.tensors(), carried):
+            for sums, values in zip(self.all_tensors(), carried):
                 sums[:len(values)] = values
 
     def tensors(self):
+        """The sums the reconstruction kernels add into: image, weight, sigma, rank."""
         return self.image, self.weight, self.sigma, self.rank
 
+    def all_tensors(self):
+        """``tensors()`` and, when the run asks for it, ``lambda_plus``."""
+        return self.tensors() + ((self.lambda_plus,) if self.lambda_plus is not None else ())
+
     def zero_(self):
-        for sums in self.tensors():
+        for sums in self.all_tensors():
             sums.zero_()
         return self
 
     def tail(self, start):
         """The sums of rows ``start`` on (the halo a next slab goes on adding into), or None if there are none."""
-        return tuple(x[start:].clone() for x in self.tensors()) if start < len(self.weight) else None
+        return tuple(x[start:].clone() for x in self.all_tensors()) if start < len(self.weight) else None
 
     def divide(self, rows: slice):
         """Values instead of sums in ``rows``: 0 where no patch served the voxel (its sums are 0)."""
+        if self.lambda_plus is not None and rows.stop > rows.start:
+            weight = self.weight[rows]
+            self.lambda_plus[rows] /= torch.where(weight > 0, weight, 1.0)
         divide_rows(self.image, self.weight, self.sigma, self.rank, rows)
 
-    def add(self, rows, image, weight, sigma, rank, replace=False):
-        """Add host-computed values into rows (or, with ``replace``, write them: centre aggregation)."""
+    def add(self, rows, image, weight, sigma, rank, lambda_plus=None, replace=False):
+        """Add host-computed values into rows (or, with ``replace``, write them: centre aggregation);
+        ``lambda_plus`` where the sums hold it."""
         index = to_device(rows, self.weight.device)
-        for sums, values in zip(self.tensors(), (image, weight, sigma, rank)):
+        values_of = (image, weight, sigma, rank) + ((lambda_plus,) if self.lambda_plus is not None else ())
+        for sums, values in zip(self.all_tensors(), values_of):
             values = to_device(np.asarray(values, dtype=np.float32), sums.device)
             if replace:
                 sums[index] = values
@@ -93,7 +105,7 @@ class Finisher:
     """A slab's rows before ``final`` divided by their weights (with ``normalize``) and copied into the host
     ``outputs`` from row ``first`` on, as they get their last addition (``up_to``): on the GPU, divided on the
     current stream and downloaded on the ``downloads`` stream while the device goes on computing. The image's
-    rows go as they are finished, the three maps' (1/T of the image each) when asked (``maps``) and with the
+    rows go as they are finished, the maps' (1/T of the image each) when asked (``maps``) and with the
     last rows: fewer copies to queue (the host's queueing of copies can be a run's critical path). Without
     ``outputs``: divided only (as captured in a graph, ``settling.PartFinishing``)."""
 
@@ -101,7 +113,7 @@ class Finisher:
         self.sums, self.outputs, self.first, self.final = sums, outputs, first, final
         self.normalize, self.downloads, self.done, self.maps_done = normalize, downloads, 0, 0
         if downloads is not None:
-            for values in sums.tensors():  # read by the downloads: not reused before they are done
+            for values in sums.all_tensors():  # read by the downloads: not reused before they are done
                 values.record_stream(downloads)
 
     def divider(self):
@@ -121,13 +133,13 @@ class Finisher:
             copies.append((0, rows))
             self.done = stop
         if (maps or stop == self.final) and stop > self.maps_done:
-            copies += [(k, slice(self.maps_done, stop)) for k in (1, 2, 3)]
+            copies += [(k, slice(self.maps_done, stop)) for k in range(1, len(self.sums.all_tensors()))]
             self.maps_done = stop
         if self.outputs is not None:  # (an output left None is not downloaded here: ``download_volume_major``)
             copies = [(k, part) for k, part in copies if self.outputs[k] is not None]
         if not copies or self.outputs is None:
             return
-        tensors = self.sums.tensors()
+        tensors = self.sums.all_tensors()
         if self.downloads is None:
             for k, part in copies:
                 self.outputs[k][self.first + part.start:self.first + part.stop].copy_(tensors[k][part])
