@@ -5,7 +5,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
+import nibabel as nib
 import numpy as np
 import pytest
 
@@ -148,3 +151,66 @@ def test_with_a_noise_floor_variance_removed_is_given_and_lambda_plus_refused():
                      maps="variance_removed")
     expected = np.mean((magnitude.astype(np.float64) - result.denoised) ** 2, axis=3)
     np.testing.assert_allclose(result.variance_removed, expected, rtol=1e-6)
+
+
+def run_command(*args):
+    return subprocess.run([sys.executable, "-m", "mppca_nipype.cli.denoise", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_command_writes_the_maps_asked_for(tmp_path):
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=16, rank=3, sigma=5.0, seed=12)
+    source = tmp_path / "in.nii.gz"
+    nib.save(nib.Nifti1Image(noisy, np.diag([2.0, 2.0, 2.5, 1.0])), source)
+    edge, removed = tmp_path / "lambda_plus.nii.gz", tmp_path / "removed.nii"
+    done = run_command(source, tmp_path / "out.nii.gz", "--lambda-plus", edge, "--variance-removed", removed,
+                       "--extent", "3", "--device", "cpu", "--nprocs", "1", "--quiet")
+    assert done.returncode == 0, done.stderr
+    expected = denoise(noisy, extent=3, device="cpu", nprocs=1, maps=("lambda_plus", "variance_removed"))
+    for path, values in ((edge, expected.lambda_plus), (removed, expected.variance_removed)):
+        image = nib.load(path)
+        assert image.shape == noisy.shape[:3] and image.get_data_dtype() == np.float32
+        np.testing.assert_array_equal(image.affine, nib.load(source).affine)
+        np.testing.assert_allclose(np.asarray(image.dataobj), values, rtol=1e-6)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--noise-floor", "rician"], "--lambda-plus is not available with --noise-floor"),
+    (["--noise-only", "--noise", "NOISE"], "--noise-only writes the noise map alone (--noise SIGMA) and takes no "
+                                           "OUT, --lambda-plus"),
+])
+def test_the_command_refuses_lambda_plus_where_it_has_none_in_one_line(tmp_path, options, message):
+    noisy, _ = low_rank_phantom((5, 5, 5), n_volumes=8, rank=2, sigma=3.0, seed=13)
+    source = tmp_path / "in.nii"
+    nib.save(nib.Nifti1Image(noisy, np.eye(4)), source)
+    options = [str(tmp_path / "noise.nii") if option == "NOISE" else option for option in options]
+    done = run_command(source, tmp_path / "out.nii", "--lambda-plus", tmp_path / "edge.nii", *options)
+    assert done.returncode == 2 and message in done.stderr
+    assert len([line for line in done.stderr.splitlines() if line.startswith("mppca-denoise: error")]) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.nii"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 3, "volume"), ("uniform", 2, "voxel"),
+                                                         ("center", 1, "none")])
+def test_the_gpus_maps_are_the_cpus(aggregation, stride, demean):
+    """On a CUDA device: lambda_plus and variance_removed within 1e-4 rms (relative) of the CPU engine's."""
+    from mppca_nipype.engine.gpu import usable
+
+    reason = usable()
+    if reason is not None:
+        pytest.skip(reason)
+    noisy, _ = low_rank_phantom((24, 22, 13), n_volumes=30, rank=4, sigma=5.0, seed=11)
+    noisy[6, 4, 5, 6] = np.nan
+    mask = np.ones(noisy.shape[:3], dtype=bool)
+    mask[:4] = False
+    options = dict(extent=5, stride=stride, aggregation=aggregation, demean=demean,
+                   maps=("lambda_plus", "variance_removed"))
+    gpu = denoise(noisy, mask, device="cuda", **options)
+    cpu = denoise(noisy, mask, device="cpu", nprocs=2, **options)
+    assert gpu.info["backend"] == "gpu"
+    for name in ("lambda_plus", "variance_removed"):
+        got, want = getattr(gpu, name).astype(np.float64), getattr(cpu, name).astype(np.float64)
+        assert np.count_nonzero(want) > 0.9 * np.count_nonzero(mask)
+        assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) <= 1e-4, name
+    assert gpu.lambda_plus[~mask].max() == 0 and gpu.variance_removed[6, 4, 5] == 0

@@ -87,6 +87,13 @@ def build_parser() -> ArgumentParser:
                              "one given by --noise-in")
     parser.add_argument("--rank", metavar="FILE",
                         help="also write the 3D map of the number of signal components kept")
+    parser.add_argument("--lambda-plus", metavar="FILE",
+                        help="also write the 3D map of the patches' Marchenko-Pastur upper edge "
+                             "sigma^2 (1 + sqrt(gamma))^2, in the data's variance units, aggregated as the noise "
+                             "map (docs/options.md, \"Extra maps\")")
+    parser.add_argument("--variance-removed", metavar="FILE",
+                        help="also write the 3D map of the variance removed from each voxel: the mean over "
+                             "volumes of (IN - OUT)^2")
     parser.add_argument("--noise-only", action="store_true",
                         help="write only the noise map (--noise), without denoising: mppca-noise IN SIGMA, the "
                              f"same run; without OUT; the default stride is then {NOISE_STRIDE}")
@@ -155,7 +162,9 @@ def main(argv=None):
                                           ("--warm-up", args.warm_up), ("--coils", args.coils),
                                           ("--echo", args.echo), ("--bval", args.bval)) if value is not None]
         given += ["--noise-floor"] if args.noise_floor != "none" else []
-        given += [name for name, value in (("--phase", args.phase), ("--phase-out", args.phase_out)) if value]
+        given += [name for name, value in (("--phase", args.phase), ("--phase-out", args.phase_out),
+                                           ("--lambda-plus", args.lambda_plus),
+                                           ("--variance-removed", args.variance_removed)) if value]
         if given:
             parser.error(f"--noise-only writes the noise map alone (--noise SIGMA) and takes no {', '.join(given)}")
         if args.input is None or args.noise is None:
@@ -173,13 +182,14 @@ def main(argv=None):
                                           ("--noise", args.noise), ("--rank", args.rank),
                                           ("--noise-in", args.noise_in), ("--phase", args.phase),
                                           ("--phase-out", args.phase_out), ("--echo", args.echo),
-                                          ("--bval", args.bval)) if value is not None]
+                                          ("--bval", args.bval), ("--lambda-plus", args.lambda_plus),
+                                          ("--variance-removed", args.variance_removed)) if value is not None]
         given += ["--noise-floor"] if args.noise_floor != "none" else []
         if given:
             parser.error(f"--warm-up denoises generated series and takes no files ({', '.join(given)})")
     elif args.input is None or args.output is None:
         parser.error("the following arguments are required: IN, OUT")
-    for problem in (noise_floor_problem(args), phase_problem(args), groups_problem(args)):
+    for problem in (noise_floor_problem(args), phase_problem(args), groups_problem(args), _maps_problem(args)):
         if problem:
             parser.error(problem)
     with warnings_as_lines(PROG), user_errors(PROG):
@@ -254,9 +264,11 @@ def run(args, parser) -> None:
             run_options = dict(device=args.device, nprocs=args.nprocs, gpu_memory=args.gpu_memory,
                                progress=progress)
             if echoes:
-                result = denoise([data, *echoes], mask, **options, **noise_floor_options(args), **run_options)
+                result = denoise([data, *echoes], mask, **options, **noise_floor_options(args), **run_options,
+                                 maps=_maps_asked(args))
             elif phase is None and not complex_input:
-                result = denoise(data, mask, **options, **noise_floor_options(args), **run_options)
+                result = denoise(data, mask, **options, **noise_floor_options(args), **run_options,
+                                 maps=_maps_asked(args))
             else:  # a magnitude and its phase, or the complex series itself (phase None)
                 result = denoise_complex(data, phase, mask, **options, phase_method=args.phase_method,
                                          **run_options)
@@ -266,7 +278,10 @@ def run(args, parser) -> None:
             per_echo = {out: (result.denoised[:, :, :, e + 1], path) for e, (path, out) in enumerate(args.echo)}
             result.denoised = result.denoised[:, :, :, 0]
         images = {args.output: result.denoised_complex if complex_input else result.denoised,
-                  args.noise: result.sigma, args.rank: result.rank, args.phase_out: getattr(result, "phase", None)}
+                  args.noise: result.sigma, args.rank: result.rank, args.phase_out: getattr(result, "phase", None),
+                  # (complex data has no extra maps: refused with --phase or a complex input)
+                  args.lambda_plus: getattr(result, "lambda_plus", None),
+                  args.variance_removed: getattr(result, "variance_removed", None)}
         with phases("write"):
             write_images(images, image, staged, {path: what for path, what in outputs.items() if path in images})
             for out, (denoised, path) in per_echo.items():
@@ -288,6 +303,9 @@ def _checked(args, parser):
         if args.noise_floor != "none":
             parser.error(f"IN {args.input} is a complex series, denoised through its phase-demodulated real part "
                          f"with no magnitude floor; leave out --noise-floor {args.noise_floor}")
+        if _maps_asked(args):
+            parser.error(f"IN {args.input} is a complex series; --lambda-plus and --variance-removed are not "
+                         "available for complex data")
     if args.phase is not None:  # its header now; its values (units, finiteness) once read
         phase_shape = tuple(io.load_image(args.phase, "phase").shape)
         if phase_shape != shape:
@@ -322,10 +340,28 @@ def _checked(args, parser):
     # the destinations: distinct, not an input, writable (proved by creating their temporary files)
     outputs = check_destinations(parser, [(args.output, "output"), (args.noise, "noise map"),
                                           (args.rank, "rank map"), (args.phase_out, "phase output"),
+                                          (args.lambda_plus, "lambda_plus map"),
+                                          (args.variance_removed, "variance-removed map"),
                                           *((out, f"output of the echo {path}") for path, out in args.echo or ())],
                                  (args.input, args.mask, args.noise_in if isinstance(args.noise_in, str) else None,
                                   args.phase, *(path for path, _ in args.echo or ())))
     return image, mask, options, outputs
+
+
+def _maps_asked(args) -> tuple[str, ...]:
+    """The extra maps ``denoise`` is to compute for the files asked for (``engine.MAPS``)."""
+    return tuple(name for name, path in (("lambda_plus", args.lambda_plus),
+                                         ("variance_removed", args.variance_removed)) if path is not None)
+
+
+def _maps_problem(args) -> str | None:
+    """Why the extra maps asked for cannot be written with the other options, or None."""
+    if args.phase is not None and _maps_asked(args):
+        return "--lambda-plus and --variance-removed are not available with --phase"
+    if args.lambda_plus is not None and args.noise_floor != "none":
+        return ("--lambda-plus is not available with --noise-floor: the patches' Marchenko-Pastur edges are those "
+                "of the variance-stabilised data")
+    return None
 
 
 def _given_noise(noise_in, shape, mask):
