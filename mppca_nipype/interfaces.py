@@ -1,7 +1,8 @@
 """Nipype interfaces: MP-PCA denoising as a node in any workflow.
 
 ``MPPCADenoise`` reads a 4D NIfTI series (and an optional mask), calls :func:`mppca_nipype.denoise` and writes
-the denoised series, the noise and rank maps and a provenance JSON into the node's directory; given the series'
+the denoised series, the noise and rank maps (and on request the lambda_plus and variance-removed maps) and a
+provenance JSON into the node's directory; given the series'
 phase (``phase_file``), it calls :func:`mppca_nipype.denoise_complex` and writes the denoised phase too. It holds no
 algorithm: the engine does the work, :mod:`mppca_nipype.io` the reading and writing, and
 :func:`mppca_nipype.bids.collect_provenance` the bookkeeping.
@@ -220,6 +221,12 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
     phase_method = traits.Enum(*PHASE_METHODS, usedefault=True,
                                desc="how the background phase is estimated: 'hann', a 2D Hann low-pass per slice; "
                                     "'mppca', the same of the complex series first denoised by MP-PCA")
+    lambda_plus = traits.Bool(False, usedefault=True,
+                              desc="also write out_lambda_plus: the patches' Marchenko-Pastur upper edge "
+                                   "sigma^2 (1 + sqrt(gamma))^2 (data variance units), aggregated as the noise map")
+    variance_removed = traits.Bool(False, usedefault=True,
+                                   desc="also write out_variance_removed: the mean over volumes of "
+                                        "(input - denoised)^2 per voxel")
     use_gpu = traits.Bool(gpu_probably_usable(), usedefault=True,
                           desc="run on a CUDA GPU when one is usable (else on the CPU); MultiProc reserves a "
                                "GPU slot for the node. Default: true when a GPU is usable here")
@@ -239,6 +246,8 @@ class _MPPCADenoiseOutputSpec(TraitedSpec):
     rank_file = File(exists=True, desc="3D map of the number of signal components kept")
     out_phase_file = File(desc="with phase_file: the phase of the denoised complex series, in radians")
     echo_out_files = traits.List(File(exists=True), desc="with echo_files: each one denoised, in their order")
+    out_lambda_plus = File(desc="with lambda_plus: 3D map of the patches' Marchenko-Pastur upper edge")
+    out_variance_removed = File(desc="with variance_removed: 3D map of the variance removed from each voxel")
     provenance_file = File(exists=True, desc="JSON: parameters, backend, device, versions, timings, "
                                              "noise and rank summaries, input checksum")
 
@@ -275,10 +284,15 @@ class MPPCADenoise(SimpleInterface):
             parameters["bvals"] = io.read_numbers(self.inputs.bval_file, ".bval file")
         if self.inputs.demean == "groups" and isdefined(self.inputs.volume_groups):
             parameters["groups"] = list(self.inputs.volume_groups)
+        maps = tuple(name for name in ("lambda_plus", "variance_removed") if getattr(self.inputs, name))
+        if maps:
+            parameters["maps"] = maps
         phase = None
         if isdefined(self.inputs.phase_file):
             if echo_files:
                 raise MPPCAInputError("phase_file denoises one complex series and does not combine with echo_files")
+            if maps:
+                raise MPPCAInputError("the lambda_plus and variance_removed maps are not available with phase_file")
             if self.inputs.noise_floor != "none":
                 raise MPPCAInputError(f"phase_file removes the magnitude floor by denoising the demodulated real "
                                       f"part; noise_floor must be 'none', not {self.inputs.noise_floor!r}")
@@ -325,6 +339,11 @@ class MPPCADenoise(SimpleInterface):
                 out_phase_file = fname_presuffix(self.inputs.in_file, suffix="_phase", newpath=runtime.cwd)
                 io.save_like(result.phase, image, out_phase_file)
                 self._results["out_phase_file"] = out_phase_file
+            for name in maps:  # (_lambdaplus, _varianceremoved: the desc labels of bids.MAPS)
+                map_file = fname_presuffix(self.inputs.in_file, suffix="_" + name.replace("_", ""),
+                                           newpath=runtime.cwd)
+                io.save_like(getattr(result, name), image, map_file)
+                self._results["out_" + name] = map_file
 
         provenance = collect_provenance(
             result, self.inputs.in_file,

@@ -190,6 +190,24 @@ def test_the_command_refuses_lambda_plus_where_it_has_none_in_one_line(tmp_path,
     assert sorted(path.name for path in tmp_path.iterdir()) == ["in.nii"]
 
 
+def test_the_interface_writes_the_maps_its_inputs_ask_for(tmp_path, monkeypatch):
+    from mppca_nipype.interfaces import MPPCADenoise
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=16, rank=3, sigma=5.0, seed=14)
+    source = tmp_path / "dwi.nii.gz"
+    nib.save(nib.Nifti1Image(noisy, np.eye(4)), source)
+    monkeypatch.chdir(tmp_path)
+    plain = MPPCADenoise(in_file=str(source), use_gpu=False, extent=3).run().outputs
+    assert not any(isinstance(getattr(plain, name), str) for name in ("out_lambda_plus", "out_variance_removed"))
+    outputs = MPPCADenoise(in_file=str(source), use_gpu=False, extent=3, lambda_plus=True,
+                           variance_removed=True).run().outputs
+    expected = denoise(noisy, extent=3, device="cpu", nprocs=1, maps=("lambda_plus", "variance_removed"))
+    assert outputs.out_lambda_plus.endswith("dwi_lambdaplus.nii.gz")
+    np.testing.assert_allclose(nib.load(outputs.out_lambda_plus).get_fdata(), expected.lambda_plus, rtol=1e-6)
+    np.testing.assert_allclose(nib.load(outputs.out_variance_removed).get_fdata(), expected.variance_removed,
+                               rtol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 3, "volume"), ("uniform", 2, "voxel"),
                                                          ("center", 1, "none")])
