@@ -16,6 +16,9 @@ or ``bold``) the derivative dataset holds, in the same sub-/ses-/datatype folder
     3D image named ``_bold``/``_dwi`` would be read as a (broken) series by BIDS tools and rejected by the
     validator (BOLD_NOT_4D, DWI_MISSING_BVAL). So they get a suffix no tool mistakes for a series, and the
     derivative's ``.bidsignore`` lists them (``BIDSIGNORE`` below), with ``logs/``.
+``<entities>_desc-lambdaplus_<suffix>map.nii.gz``, ``<entities>_desc-varianceremoved_<suffix>map.nii.gz`` + ``.json``
+    On request (``--lambda-plus``, ``--variance-removed``): the patches' Marchenko-Pastur upper edge and the
+    variance removed from each voxel (``engine.maps``), named and listed in ``.bidsignore`` as the noise map.
 ``logs/CITATION.md``
     The methods boilerplate with its references.
 
@@ -68,7 +71,13 @@ SERIES = {"dwi": "dwi", "func": "bold"}
 MAPS = {
     "noise": ("noise", "map", "Noise standard deviation estimated by MP-PCA (same units as the input)"),
     "rank": ("rank", "map", "Number of signal components kept by MP-PCA (mean over the patches used)"),
+    "lambda_plus": ("lambdaplus", "map", "Upper edge of the Marchenko-Pastur noise bulk of the patches, "
+                    "sigma^2 (1 + sqrt(gamma))^2, in the input's units squared (combined as the noise map)"),
+    "variance_removed": ("varianceremoved", "map", "Variance removed by MP-PCA: the mean over volumes of "
+                         "(input - denoised)^2, in the input's units squared"),
 }
+#: The maps of ``MAPS`` written only on request (``denoise(maps=...)``: ``engine.MAPS``).
+REQUESTED_MAPS = ("lambda_plus", "variance_removed")
 #: The noise map's description when the noise level was given (``--noise-in``), not estimated.
 GIVEN_NOISE_DESCRIPTION = ("Noise standard deviation given to MP-PCA (--noise-in), as the patches used it (the "
                            "mean over each patch, combined as the estimate is)")
@@ -100,7 +109,8 @@ FIGURE_KINDS = ("slices", "maps", "residuals", "spectra")
 #: QC reports. (bids-validator-deno 3.0 fails to match globs with a wildcard between fixed parts, such as
 #: ``*_desc-noise_*map.*``; a leading and a trailing wildcard work. It reports the folder ``sub-01/figures/``
 #: itself unless the entry names it without a trailing slash.)
-BIDSIGNORE = ("*_desc-noise_*", "*_desc-rank_*", "logs/", "sub-*/figures", "sub-*.html")
+BIDSIGNORE = ("*_desc-noise_*", "*_desc-rank_*", "*_desc-lambdaplus_*", "*_desc-varianceremoved_*", "logs/",
+              "sub-*/figures", "sub-*.html")
 
 #: Packages whose versions every provenance block records.
 VERSIONED_PACKAGES = ("mppca-nipype", "numpy", "torch", "triton", "nvmath-python", "nipype", "pybids",
@@ -202,11 +212,11 @@ def split_name(filename: str):
 def derivative_names(source_relpath, phase_relpath=None) -> dict:
     """Paths, relative to OUTPUT_DIR, of every derivative of the raw run at ``source_relpath``.
 
-    Keys: ``denoised``, ``denoised_json``, ``noise``, ``noise_json``, ``rank``, ``rank_json``, and for DWI
-    ``bval``, ``bvec``. With ``phase_relpath``, the ``part-phase`` run paired with the ``part-mag`` run at
-    ``source_relpath``, also ``phase`` and ``phase_json`` (the denoised phase: the phase run's name with
-    ``desc-denoised``, in the magnitude's format), and the maps and gradient files are named once for the pair,
-    without ``part``.
+    Keys: ``denoised``, ``denoised_json``, ``noise``, ``noise_json``, ``rank``, ``rank_json``, the maps written
+    on request (``lambda_plus``, ``variance_removed`` and their ``_json``), and for DWI ``bval``, ``bvec``.
+    With ``phase_relpath``, the ``part-phase`` run paired with the ``part-mag`` run at ``source_relpath``, also
+    ``phase`` and ``phase_json`` (the denoised phase: the phase run's name with ``desc-denoised``, in the
+    magnitude's format), and the maps and gradient files are named once for the pair, without ``part``.
     """
     source = PurePosixPath(source_relpath)
     entities, suffix, extension = split_name(source.name)
@@ -593,7 +603,9 @@ Each DWI and BOLD run of the source dataset, denoised by Marchenko-Pastur PCA:
   complex series (the phase in radians); its maps and gradient table are named once, without `part-`.
 - `*_dwi.bval` / `*_dwi.bvec`: the gradient table (applies to the denoised series by BIDS inheritance).
 - `*_desc-noise_<dwi|bold>map.nii.gz`, `*_desc-rank_<dwi|bold>map.nii.gz`: noise standard deviation and
-  number of signal components (BIDS has no suffix for these; listed in `.bidsignore`).
+  number of signal components (BIDS has no suffix for these; listed in `.bidsignore`); on request
+  `*_desc-lambdaplus_<dwi|bold>map.nii.gz` and `*_desc-varianceremoved_<dwi|bold>map.nii.gz`, the patches'
+  Marchenko-Pastur upper edge and the variance removed, likewise.
 - `logs/CITATION.md`: a methods paragraph with references.
 - `sub-<label>.html` and `sub-<label>/figures/`: a QC report per subject (input, denoised and residual
   slices, noise and rank maps, residual histogram, eigenvalue spectra); listed in `.bidsignore`.
@@ -608,6 +620,8 @@ class _DerivativesSinkInputSpec(BaseInterfaceInputSpec):
     in_file = File(exists=True, mandatory=True, desc="denoised series")
     noise_file = File(exists=True, mandatory=True, desc="noise map")
     rank_file = File(exists=True, mandatory=True, desc="rank map")
+    lambda_plus_file = File(exists=True, desc="map of the patches' Marchenko-Pastur upper edge, when asked for")
+    variance_removed_file = File(exists=True, desc="map of the variance removed, when asked for")
     sidecar_file = File(exists=True, mandatory=True,
                         desc="JSON from init_mppca_wf's outputnode.provenance: the source's metadata and the "
                              "provenance block MPPCADenoising")
@@ -661,6 +675,10 @@ class DerivativesSink(SimpleInterface):
         contents = [("noise", self.inputs.noise_file), ("rank", self.inputs.rank_file),
                     ("noise_json", {"Description": noise_description, "Sources": sources}),
                     ("rank_json", {"Description": MAPS["rank"][2], "Sources": sources})]
+        for kind in REQUESTED_MAPS:
+            if isdefined(getattr(self.inputs, f"{kind}_file")):
+                contents += [(kind, getattr(self.inputs, f"{kind}_file")),
+                             (f"{kind}_json", {"Description": MAPS[kind][2], "Sources": sources})]
         if "bval" in names and isdefined(self.inputs.bval) and isdefined(self.inputs.bvec):
             contents += [("bval", self.inputs.bval), ("bvec", self.inputs.bvec)]
         if isdefined(self.inputs.figures):  # QC figures <kind>.png from reports.RunReport

@@ -208,6 +208,30 @@ def test_the_interface_writes_the_maps_its_inputs_ask_for(tmp_path, monkeypatch)
                                rtol=1e-6)
 
 
+def test_the_bids_app_writes_the_maps_asked_for_under_their_desc_names(tmp_path, capsys):
+    from bids_helpers import make_dataset, read_json
+    from mppca_nipype.bids import BIDSIGNORE
+    from mppca_nipype.cli.bids_app import main
+
+    bids_dir = make_dataset(tmp_path / "raw")
+    output_dir = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        main([str(bids_dir), str(output_dir), "participant", "--participant-label", "01", "--datatype", "dwi",
+              "--lambda-plus", "--variance-removed", "--skip-bids-validation", "--no-reports", "--nprocs", "1",
+              "--device", "cpu"])
+    assert stopped.value.code == 0, capsys.readouterr().err
+    raw = nib.load(bids_dir / "sub-01/ses-1/dwi/sub-01_ses-1_dwi.nii.gz").get_fdata(dtype=np.float32)
+    expected = denoise(raw, device="cpu", nprocs=1, maps=("lambda_plus", "variance_removed"))
+    folder = output_dir / "sub-01/ses-1/dwi"
+    for desc, values in (("lambdaplus", expected.lambda_plus), ("varianceremoved", expected.variance_removed)):
+        np.testing.assert_allclose(nib.load(folder / f"sub-01_ses-1_desc-{desc}_dwimap.nii.gz").get_fdata(),
+                                   values, rtol=1e-6)
+        sidecar = read_json(folder / f"sub-01_ses-1_desc-{desc}_dwimap.json")
+        assert sidecar["Sources"] == ["bids:raw:sub-01/ses-1/dwi/sub-01_ses-1_dwi.nii.gz"]
+        assert f"*_desc-{desc}_*" in BIDSIGNORE
+        assert f"*_desc-{desc}_*" in (output_dir / ".bidsignore").read_text().splitlines()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 3, "volume"), ("uniform", 2, "voxel"),
                                                          ("center", 1, "none")])

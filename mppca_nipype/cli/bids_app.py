@@ -185,6 +185,12 @@ def build_parser():
     add_noise_floor_options(denoising)
     add_phase_method_option(denoising, what="a magnitude/phase pair (part-mag and part-phase runs, denoised as "
                                             "one complex series, with no noise floor)")
+    denoising.add_argument("--lambda-plus", action="store_true",
+                           help="also write each run's map of the patches' Marchenko-Pastur upper edge "
+                                "(*_desc-lambdaplus_<dwi|bold>map.nii.gz; docs/options.md, \"Extra maps\")")
+    denoising.add_argument("--variance-removed", action="store_true",
+                           help="also write each run's map of the variance removed, the mean over volumes of "
+                                "(input - denoised)^2 (*_desc-varianceremoved_<dwi|bold>map.nii.gz)")
     parser.add_argument("--reports", action=argparse.BooleanOptionalAction, default=True,
                         help="write a QC report per subject (sub-<label>.html, figures under "
                              "sub-<label>/figures/) (default: on)")
@@ -251,6 +257,9 @@ def check_arguments(args):
                        EXIT["usage"])
     if noise_floor_problem(args):
         raise AppError(noise_floor_problem(args), EXIT["usage"])
+    if args.lambda_plus and args.noise_floor != "none":
+        raise AppError("--lambda-plus is not available with --noise-floor: the patches' Marchenko-Pastur edges are "
+                       "those of the variance-stabilised data", EXIT["usage"])
     from nipype.pipeline import plugins
 
     if not hasattr(plugins, f"{args.plugin}Plugin"):
@@ -538,6 +547,7 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
                             stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
                             demean=args.demean, filter=args.filter, num_threads=nprocs, reports=args.reports, noise_in=args.noise_in,
                             gpu_memory=args.gpu_memory, **noise_floor_options(args), phase_method=args.phase_method,
+                            maps=tuple(name for name in ("lambda_plus", "variance_removed") if getattr(args, name)),
                             # auto: each run on the GPU where it would finish first (engine.costs)
                             use_gpu=None if use_gpu and args.device == "auto" else use_gpu)
     workflow.base_dir = str(work_dir)

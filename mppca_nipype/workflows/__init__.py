@@ -201,7 +201,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
                   demean=DEFAULTS["demean"], filter=DEFAULTS["filter"], use_gpu=None,  # noqa: A002
                   num_threads=1, shape=None, noise_in=None, gpu_memory=None, noise_floor="none", coils=1,
-                  phase_method=None):
+                  phase_method=None, maps=()):
     """MP-PCA denoising of one 4D series.
 
     Parameters
@@ -229,6 +229,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         Given, ``in_file`` is the magnitude of a complex series whose phase comes through
         ``inputnode.phase_file``: denoised by :func:`mppca_nipype.denoise_complex` with this way of estimating
         the background phase (``noise_floor`` must be "none"). None: the series alone.
+    maps : tuple of str
+        Extra maps to write: ``lambda_plus``, ``variance_removed`` (see :func:`mppca_nipype.denoise`).
 
     Inputs (``inputnode``)
     ----------------------
@@ -254,6 +256,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         3D maps of the noise standard deviation and the number of signal components.
     phase
         With ``phase_method``: the phase of the denoised complex series (radians).
+    lambda_plus, variance_removed
+        With ``maps``: 3D maps of the patches' Marchenko-Pastur upper edge and of the variance removed.
     provenance
         JSON: the provenance block (parameters, backend, device, versions, timings, summaries, checksum)
         under ``MPPCADenoising``, next to the input's metadata.
@@ -268,7 +272,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in", "phase_file",
                                                   "echo_files"]), name="inputnode")
     outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "phase", "provenance",
-                                                   "echo_denoised", "provenance_file"]), name="outputnode")
+                                                   "echo_denoised", "provenance_file", "lambda_plus",
+                                                   "variance_removed"]), name="outputnode")
     if use_gpu is None:  # where a GPU is usable, and (the shape known) it would finish first
         use_gpu = gpu_probably_usable() and (shape is None or gpu_finishes_first(shape, extent, stride,
                                                                                num_threads))
@@ -281,7 +286,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         MPPCADenoise(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
                      demean=demean, filter=filter, noise_floor=noise_floor, coils=coils, use_gpu=use_gpu, num_threads=n_procs,
                      **({} if gpu_memory is None else {"gpu_memory": str(gpu_memory)}),
-                     **({} if phase_method is None else {"phase_method": phase_method})),
+                     **({} if phase_method is None else {"phase_method": phase_method}),
+                     **{name: True for name in maps}),
         name="denoise", n_procs=n_procs, **({} if mem_gb is None else {"mem_gb": mem_gb}))
     sidecar = pe.Node(_MetadataSidecar(), name="sidecar", run_without_submitting=True)
     workflow.connect([
@@ -296,6 +302,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     if phase_method is not None:
         workflow.connect([(inputnode, denoise, [("phase_file", "phase_file")]),
                           (denoise, outputnode, [("out_phase_file", "phase")])])
+    if maps:
+        workflow.connect([(denoise, outputnode, [(f"out_{name}", name) for name in maps])])
     return workflow
 
 
@@ -303,7 +311,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
                  stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
                  use_gpu=None, num_threads=1, reports=True, noise_in=None, gpu_memory=None, noise_floor="none",
-                 coils=1, phase_method=PHASE_METHODS[0]):
+                 coils=1, phase_method=PHASE_METHODS[0], maps=()):
     """Denoise the given BIDS runs and write them as derivatives of ``bids_dir`` into ``output_dir``.
 
     Parameters
@@ -323,6 +331,9 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
         How the background phase of a magnitude/phase pair (a run with ``phase``) is estimated: the pair is
         denoised as one complex series, with no noise floor whatever ``noise_floor`` says (that applies to the
         runs without a phase), and the sink writes both parts.
+    maps : tuple of str
+        Extra maps each run without a phase writes (``lambda_plus``, ``variance_removed``), named by
+        :func:`mppca_nipype.bids.derivative_names`.
     other parameters
         As for :func:`init_mppca_wf`; applied to every run.
 
@@ -350,6 +361,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
                                      echoes=any(run.echoes for run in todo))
     workflow.__postdesc__ = references_text(floor, filter, complex_data=pairs)
     for run in todo:
+        run_maps = maps if run.phase is None else ()  # (a magnitude/phase pair: denoise_complex, no extra maps)
         shape = _series_shape(run.path)
         if run.phase is not None and shape is not None:
             # a complex run holds about twice a magnitude run's arrays (the complex series, the background
@@ -363,7 +375,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
                                noise_in=noise_kind, gpu_memory=gpu_memory,
                                noise_floor=noise_floor if run.phase is None else "none",
                                coils=coils if run.phase is None else 1,
-                               phase_method=None if run.phase is None else phase_method)
+                               phase_method=None if run.phase is None else phase_method, maps=run_maps)
         run_wf.inputs.inputnode.in_file = str(run.path)
         run_wf.inputs.inputnode.metadata = run.metadata
         if run.phase is not None:
@@ -388,6 +400,8 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
             outputs.append((echo, (pick, "out"), (sidecar, "out_file")))
         for series, denoised, provenance in outputs:
             sink = _sink_run(workflow, series, run_wf, denoised, provenance, output_dir, reports, noise_source)
+            if run_maps:  # (each echo's like its noise map: the run's)
+                workflow.connect([(run_wf, sink, [(f"outputnode.{name}", f"{name}_file") for name in run_maps])])
         if run.phase is not None:  # a magnitude/phase pair: the sink writes both parts
             sink.inputs.phase_source_file = run.phase.relpath
             sink.inputs.phase_metadata = run.phase.metadata
