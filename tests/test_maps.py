@@ -232,6 +232,17 @@ def test_the_bids_app_writes_the_maps_asked_for_under_their_desc_names(tmp_path,
         assert f"*_desc-{desc}_*" in (output_dir / ".bidsignore").read_text().splitlines()
 
 
+def test_the_bids_app_refuses_lambda_plus_with_a_noise_floor_before_reading(tmp_path, capsys):
+    from mppca_nipype.cli.bids_app import EXIT, main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([str(tmp_path / "raw"), str(tmp_path / "out"), "participant", "--lambda-plus", "--noise-floor",
+              "rician"])
+    assert stopped.value.code == EXIT["usage"]
+    assert "--lambda-plus is not available with --noise-floor" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 3, "volume"), ("uniform", 2, "voxel"),
                                                          ("center", 1, "none")])

@@ -22,9 +22,9 @@ import time
 import warnings
 
 from ..engine import DEVICES, MPPCAInputError, available_cpus
-from .common import (add_denoising_options, add_filter_option, add_gpu_memory_option, add_noise_floor_options,
-                     add_phase_method_option, add_version_option, exit_interrupted, fail, noise_floor_options,
-                     noise_floor_problem, positive_int, say)
+from .common import (add_denoising_options, add_filter_option, add_gpu_memory_option, add_map_options,
+                     add_noise_floor_options, add_phase_method_option, add_version_option, exit_interrupted, fail,
+                     maps_asked, maps_problem, noise_floor_options, noise_floor_problem, positive_int, say)
 
 PROG = "mppca-nipype"
 
@@ -185,12 +185,7 @@ def build_parser():
     add_noise_floor_options(denoising)
     add_phase_method_option(denoising, what="a magnitude/phase pair (part-mag and part-phase runs, denoised as "
                                             "one complex series, with no noise floor)")
-    denoising.add_argument("--lambda-plus", action="store_true",
-                           help="also write each run's map of the patches' Marchenko-Pastur upper edge "
-                                "(*_desc-lambdaplus_<dwi|bold>map.nii.gz; docs/options.md, \"Extra maps\")")
-    denoising.add_argument("--variance-removed", action="store_true",
-                           help="also write each run's map of the variance removed, the mean over volumes of "
-                                "(input - denoised)^2 (*_desc-varianceremoved_<dwi|bold>map.nii.gz)")
+    add_map_options(denoising, files=False)
     parser.add_argument("--reports", action=argparse.BooleanOptionalAction, default=True,
                         help="write a QC report per subject (sub-<label>.html, figures under "
                              "sub-<label>/figures/) (default: on)")
@@ -257,9 +252,8 @@ def check_arguments(args):
                        EXIT["usage"])
     if noise_floor_problem(args):
         raise AppError(noise_floor_problem(args), EXIT["usage"])
-    if args.lambda_plus and args.noise_floor != "none":
-        raise AppError("--lambda-plus is not available with --noise-floor: the patches' Marchenko-Pastur edges are "
-                       "those of the variance-stabilised data", EXIT["usage"])
+    if maps_problem(args):
+        raise AppError(maps_problem(args), EXIT["usage"])
     from nipype.pipeline import plugins
 
     if not hasattr(plugins, f"{args.plugin}Plugin"):
@@ -547,7 +541,7 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
                             stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
                             demean=args.demean, filter=args.filter, num_threads=nprocs, reports=args.reports, noise_in=args.noise_in,
                             gpu_memory=args.gpu_memory, **noise_floor_options(args), phase_method=args.phase_method,
-                            maps=tuple(name for name in ("lambda_plus", "variance_removed") if getattr(args, name)),
+                            maps=maps_asked(args),
                             # auto: each run on the GPU where it would finish first (engine.costs)
                             use_gpu=None if use_gpu and args.device == "auto" else use_gpu)
     workflow.base_dir = str(work_dir)

@@ -349,6 +349,36 @@ def noise_floor_options(args) -> dict:
     return dict(noise_floor=args.noise_floor, coils=args.coils or 1)
 
 
+def add_map_options(parser, *, files: bool) -> None:
+    """``--lambda-plus`` and ``--variance-removed`` of the commands that denoise: the extra maps' files
+    (``mppca-denoise``, ``files``) or flags that write them under the derivatives' names (``mppca-nipype``);
+    ``maps_asked`` reads them and ``maps_problem`` checks them against the other options."""
+    how = dict(metavar="FILE") if files else dict(action="store_true")
+    what = "the 3D map" if files else "each run's map"
+    parser.add_argument("--lambda-plus", **how,
+                        help=f"also write {what} of the patches' Marchenko-Pastur upper edge "
+                             "sigma^2 (1 + sqrt(gamma))^2, in the data's variance units, aggregated as the noise "
+                             "map (docs/options.md, \"Extra maps\")")
+    parser.add_argument("--variance-removed", **how,
+                        help=f"also write {what} of the variance removed from each voxel: the mean over "
+                             "volumes of (input - denoised)^2")
+
+
+def maps_asked(args) -> tuple:
+    """The extra maps ``denoise`` is to compute (``engine.MAPS``) for the options given (``add_map_options``)."""
+    return tuple(name for name in ("lambda_plus", "variance_removed") if getattr(args, name))
+
+
+def maps_problem(args) -> str | None:
+    """The sentence that says why the extra maps asked for cannot be had with the other options, or None."""
+    if getattr(args, "phase", None) is not None and maps_asked(args):
+        return "--lambda-plus and --variance-removed are not available with --phase"
+    if args.lambda_plus and args.noise_floor != "none":
+        return ("--lambda-plus is not available with --noise-floor: the patches' Marchenko-Pastur edges are those "
+                "of the variance-stabilised data")
+    return None
+
+
 def add_phase_method_option(parser, *, what="the complex series") -> None:
     """``--phase-method`` of the commands that denoise complex data (``mppca-denoise``, ``mppca-nipype``);
     ``what`` names the data it applies to in the help."""

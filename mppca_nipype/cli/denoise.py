@@ -30,10 +30,10 @@ from ..engine.groups import GROUP_DEMEANING, check_groups, plan_groups
 from ..phases import Phases, process_age
 from . import noise as noise_only
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_gpu_memory_option,
-                     add_filter_option, add_noise_floor_options, add_phase_options, add_run_options,
-                     add_version_option, check_destinations, inside_voxels, leave_now_after_the_gpu,
-                     noise_floor_options, noise_floor_problem, open_input, phase_problem, say, user_errors,
-                     warnings_as_lines, where_it_ran, write_images)
+                     add_filter_option, add_map_options, add_noise_floor_options, add_phase_options,
+                     add_run_options, add_version_option, check_destinations, inside_voxels,
+                     leave_now_after_the_gpu, maps_asked, maps_problem, noise_floor_options, noise_floor_problem,
+                     open_input, phase_problem, say, user_errors, warnings_as_lines, where_it_ran, write_images)
 
 PROG = "mppca-denoise"
 
@@ -87,13 +87,7 @@ def build_parser() -> ArgumentParser:
                              "one given by --noise-in")
     parser.add_argument("--rank", metavar="FILE",
                         help="also write the 3D map of the number of signal components kept")
-    parser.add_argument("--lambda-plus", metavar="FILE",
-                        help="also write the 3D map of the patches' Marchenko-Pastur upper edge "
-                             "sigma^2 (1 + sqrt(gamma))^2, in the data's variance units, aggregated as the noise "
-                             "map (docs/options.md, \"Extra maps\")")
-    parser.add_argument("--variance-removed", metavar="FILE",
-                        help="also write the 3D map of the variance removed from each voxel: the mean over "
-                             "volumes of (IN - OUT)^2")
+    add_map_options(parser, files=True)
     parser.add_argument("--noise-only", action="store_true",
                         help="write only the noise map (--noise), without denoising: mppca-noise IN SIGMA, the "
                              f"same run; without OUT; the default stride is then {NOISE_STRIDE}")
@@ -189,7 +183,7 @@ def main(argv=None):
             parser.error(f"--warm-up denoises generated series and takes no files ({', '.join(given)})")
     elif args.input is None or args.output is None:
         parser.error("the following arguments are required: IN, OUT")
-    for problem in (noise_floor_problem(args), phase_problem(args), groups_problem(args), _maps_problem(args)):
+    for problem in (noise_floor_problem(args), phase_problem(args), groups_problem(args), maps_problem(args)):
         if problem:
             parser.error(problem)
     with warnings_as_lines(PROG), user_errors(PROG):
@@ -265,10 +259,10 @@ def run(args, parser) -> None:
                                progress=progress)
             if echoes:
                 result = denoise([data, *echoes], mask, **options, **noise_floor_options(args), **run_options,
-                                 maps=_maps_asked(args))
+                                 maps=maps_asked(args))
             elif phase is None and not complex_input:
                 result = denoise(data, mask, **options, **noise_floor_options(args), **run_options,
-                                 maps=_maps_asked(args))
+                                 maps=maps_asked(args))
             else:  # a magnitude and its phase, or the complex series itself (phase None)
                 result = denoise_complex(data, phase, mask, **options, phase_method=args.phase_method,
                                          **run_options)
@@ -303,7 +297,7 @@ def _checked(args, parser):
         if args.noise_floor != "none":
             parser.error(f"IN {args.input} is a complex series, denoised through its phase-demodulated real part "
                          f"with no magnitude floor; leave out --noise-floor {args.noise_floor}")
-        if _maps_asked(args):
+        if maps_asked(args):
             parser.error(f"IN {args.input} is a complex series; --lambda-plus and --variance-removed are not "
                          "available for complex data")
     if args.phase is not None:  # its header now; its values (units, finiteness) once read
@@ -346,22 +340,6 @@ def _checked(args, parser):
                                  (args.input, args.mask, args.noise_in if isinstance(args.noise_in, str) else None,
                                   args.phase, *(path for path, _ in args.echo or ())))
     return image, mask, options, outputs
-
-
-def _maps_asked(args) -> tuple[str, ...]:
-    """The extra maps ``denoise`` is to compute for the files asked for (``engine.MAPS``)."""
-    return tuple(name for name, path in (("lambda_plus", args.lambda_plus),
-                                         ("variance_removed", args.variance_removed)) if path is not None)
-
-
-def _maps_problem(args) -> str | None:
-    """Why the extra maps asked for cannot be written with the other options, or None."""
-    if args.phase is not None and _maps_asked(args):
-        return "--lambda-plus and --variance-removed are not available with --phase"
-    if args.lambda_plus is not None and args.noise_floor != "none":
-        return ("--lambda-plus is not available with --noise-floor: the patches' Marchenko-Pastur edges are those "
-                "of the variance-stabilised data")
-    return None
 
 
 def _given_noise(noise_in, shape, mask):
