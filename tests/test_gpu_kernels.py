@@ -1437,3 +1437,17 @@ def test_lambda_plus_of_a_given_noise_level_on_the_gpu_path(kernels):
     cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
     gpu = denoise_gpu(data, finite, plan, options, device="cpu")
     assert_same_lambda_plus(cpu, gpu, mask, tolerance=1e-6)
+
+
+@interpreted
+def test_runs_asking_for_lambda_plus_are_not_replayed_as_graphs(kernels):
+    """The first pass's CUDA graphs add into the image, weight, sigma and rank sums alone."""
+    from mppca_nipype.engine.gpu import graphs
+    from mppca_nipype.engine.gpu.plan import GPUSettings
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=2)
+    data, _, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2", aggregation="weighted",
+                                              demean="voxel")
+    assert graphs.may_replay(plan, options, finite, data.shape[3], GPUSettings())
+    assert not graphs.may_replay(plan, dataclasses.replace(options, lambda_plus=True), finite, data.shape[3],
+                                 GPUSettings())
