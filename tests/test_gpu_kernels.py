@@ -1451,3 +1451,25 @@ def test_runs_asking_for_lambda_plus_are_not_replayed_as_graphs(kernels):
     assert graphs.may_replay(plan, options, finite, data.shape[3], GPUSettings())
     assert not graphs.may_replay(plan, dataclasses.replace(options, lambda_plus=True), finite, data.shape[3],
                                  GPUSettings())
+
+
+@interpreted
+def test_lambda_plus_counts_in_the_memory_plan_and_survives_small_slabs(kernels):
+    """Its sum (4 bytes a voxel) and each batch's addend (24 bytes a window's voxel) are planned; in slabs cut
+    by a small budget the map is the unlimited run's."""
+    from mppca_nipype.engine.backend import GPUMemory
+    from mppca_nipype.engine.gpu import plan as plan_module
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((9, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=18)
+    data, mask, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2",
+                                                 aggregation="weighted", demean="volume")
+    options = dataclasses.replace(options, lambda_plus=True)
+    assert plan_module.slab_bytes(plan, 14, 9, lambda_plus=True) - plan_module.slab_bytes(plan, 14, 9) == 9 * 6 * 5 * 4
+    assert (plan_module._bytes_per_window(27, 14, torch.float32, True, 0.0, lambda_plus=True)
+            - plan_module._bytes_per_window(27, 14, torch.float32, True, 0.0)) == 27 * 24
+    whole = denoise_gpu(data, finite, plan, options, device="cpu", path="fused")
+    small = denoise_gpu(data, finite, plan, options, device="cpu", path="fused", gpu_memory=GPUMemory(100_000 / 2**30))
+    assert small.info["n_slabs"] > 1
+    np.testing.assert_allclose(small.lambda_plus, whole.lambda_plus, rtol=1e-5)
+    assert whole.lambda_plus[mask.ravel()].min() > 0

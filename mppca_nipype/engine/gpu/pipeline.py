@@ -74,7 +74,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
                                              plan.n_windows, data.shape[3], options,
                                              dataclasses.replace(settings, timeline=False)))
     memory = DeviceMemory(device, gpu_memory)
-    planes = settings.planes or slab_planes(memory, plan, data.shape[3])
+    planes = settings.planes or slab_planes(memory, plan, data.shape[3], options.lambda_plus)
     try:
         # the upload's threads get the GIL when they need it, not after Python's default 5 ms
         with switching_often() if device.type == "cuda" else nullcontext(), memory.enforced():

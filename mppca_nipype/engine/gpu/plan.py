@@ -123,7 +123,7 @@ def eigensolver_for(name, device, m, dtype):
     return BatchedEigh(device)
 
 
-def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, refine=False):
+def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, refine=False, lambda_plus=False):
     m = min(n_voxels, n_volumes)
     size = torch.empty((), dtype=dtype).element_size()
     per_window = m * m * (2 * size + 4) + 16 * m * 8 + 4 * n_volumes + workspace_per_window
@@ -132,6 +132,8 @@ def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, r
         size = 8
     if not fused:  # gathered patches (float32 and compute precision), restored, indices
         per_window += n_voxels * n_volumes * (4 + 2 * size) + n_voxels * 16
+    if lambda_plus:  # its addend (``batch.SlabWindows``): a row (int64) and a value (float64, float32) per voxel
+        per_window += n_voxels * 24
     return int(per_window)
 
 
@@ -200,16 +202,17 @@ def torch_holds(device) -> tuple[int, int]:
     return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
 
 
-def batch_size(memory, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None, refine=False) -> int:
+def batch_size(memory, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None, refine=False,
+               lambda_plus=False) -> int:
     """Windows per batch: what ``MEMORY_SHARE`` of the memory the run may still take holds (``memory``:
-    ``DeviceMemory``), at most ``MAX_BATCH``."""
+    ``DeviceMemory``), at most ``MAX_BATCH``; ``lambda_plus``: the run adds each window's lambda_+ too."""
     cap = min(max_batch or MAX_BATCH, max(n_windows, 1))
     free = memory.free()
     if math.isinf(free):
         return cap
     probe = 256
     workspace = solver.workspace_bytes(probe, min(n_voxels, n_volumes), dtype) / probe
-    per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine)
+    per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine, lambda_plus)
     return int(max(1, min(cap, MEMORY_SHARE * max(free, 0) // per_window)))
 
 
@@ -267,16 +270,18 @@ def plan_slabs(plan, planes: int) -> list[Slab]:
     return slabs
 
 
-def slab_bytes(plan, n_volumes: int, planes: int) -> int:
+def slab_bytes(plan, n_volumes: int, planes: int, lambda_plus=False) -> int:
     """Device bytes of a slab of ``planes`` x-planes of window corners: the whole series (with its sums) when
-    that is all of them; else the slab with its halo, its sums and the next slab's series arriving beside it."""
+    that is all of them; else the slab with its halo, its sums and the next slab's series arriving beside it.
+    ``lambda_plus``: one more sum per voxel."""
     nx, ny, nz = plan.spatial_shape
+    more = 4 if lambda_plus else 0
     if planes >= nx:
-        return nx * ny * nz * (8 * n_volumes + 20)  # series + finite, image + weight/sigma/rank sums
-    return (planes + plan.extent[0] - 1) * ny * nz * (12 * n_volumes + 24)
+        return nx * ny * nz * (8 * n_volumes + 20 + more)  # series + finite, image + weight/sigma/rank sums
+    return (planes + plan.extent[0] - 1) * ny * nz * (12 * n_volumes + 24 + more)
 
 
-def slab_planes(memory, plan, n_volumes: int) -> int:
+def slab_planes(memory, plan, n_volumes: int, lambda_plus=False) -> int:
     """x-planes of window corners per slab: all of them when the whole series and its sums take at most
     ``SLAB_SHARE`` of what the run may take (``memory``: ``DeviceMemory``; the batches get the rest), else as
     many as fit there with the halo and the next slab's upload beside them. Raises GPUOutOfMemoryError when
@@ -285,17 +290,17 @@ def slab_planes(memory, plan, n_volumes: int) -> int:
     room = memory.free()
     if math.isinf(room):
         return nx
-    if slab_bytes(plan, n_volumes, nx) <= SLAB_SHARE * room:
+    if slab_bytes(plan, n_volumes, nx, lambda_plus) <= SLAB_SHARE * room:
         planes = nx
     else:
-        per_plane = slab_bytes(plan, n_volumes, 1) // plan.extent[0]
+        per_plane = slab_bytes(plan, n_volumes, 1, lambda_plus) // plan.extent[0]
         planes = max(1, int(SLAB_SHARE * room // per_plane) - (plan.extent[0] - 1))
-    least = slab_bytes(plan, n_volumes, 1)
+    least = slab_bytes(plan, n_volumes, 1, lambda_plus)
     if least > room / 2:
         raise GPUOutOfMemoryError(
             f"the GPU memory this run may take ({room / GIB:.2f} GiB) is too small for this series: a slab of "
             f"one x-plane of patches takes {least / GIB:.2f} GiB, and needs at least {2 * least / GIB:.2f} GiB")
-    memory.slab = slab_bytes(plan, n_volumes, planes)
+    memory.slab = slab_bytes(plan, n_volumes, planes, lambda_plus)
     return planes
 
 
@@ -372,7 +377,7 @@ class GPURun:
         """``batch_size`` for this run's patch and solver (default: the first pass's precision and paths)."""
         return batch_size(self.memory, n_windows, self.plan.patch_size, n_volumes, dtype or self.dtype,
                           self.fused if fused is None else fused, self.solver, self.max_batch,
-                          self.refine if refine is None else refine)
+                          self.refine if refine is None else refine, self.options.lambda_plus)
 
     @property
     def gram_path(self):
