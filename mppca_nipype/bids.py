@@ -18,7 +18,8 @@ or ``bold``) the derivative dataset holds, in the same sub-/ses-/datatype folder
     derivative's ``.bidsignore`` lists them (``BIDSIGNORE`` below), with ``logs/``.
 ``<entities>_desc-lambdaplus_<suffix>map.nii.gz``, ``<entities>_desc-varianceremoved_<suffix>map.nii.gz`` + ``.json``
     On request (``--lambda-plus``, ``--variance-removed``): the patches' Marchenko-Pastur upper edge and the
-    variance removed from each voxel (``engine.maps``), named and listed in ``.bidsignore`` as the noise map.
+    variance removed from each voxel (``engine.maps``; ``REQUESTED_MAPS``), named and listed in ``.bidsignore``
+    as the noise map.
 ``logs/CITATION.md``
     The methods boilerplate with its references.
 
@@ -57,6 +58,7 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
                                     traits)
 
 from .engine.errors import MPPCAInputError
+from .engine.maps import MAPS as REQUESTED_MAPS
 from .io import (commit_together, file_lock, json_text, remove_stale_temporaries, staged_files,
                  write_json_atomic, write_text_atomic)
 
@@ -76,8 +78,6 @@ MAPS = {
     "variance_removed": ("varianceremoved", "map", "Variance removed by MP-PCA: the mean over volumes of "
                          "(input - denoised)^2, in the input's units squared"),
 }
-#: The maps of ``MAPS`` written only on request (``denoise(maps=...)``: ``engine.MAPS``).
-REQUESTED_MAPS = ("lambda_plus", "variance_removed")
 #: The noise map's description when the noise level was given (``--noise-in``), not estimated.
 GIVEN_NOISE_DESCRIPTION = ("Noise standard deviation given to MP-PCA (--noise-in), as the patches used it (the "
                            "mean over each patch, combined as the estimate is)")

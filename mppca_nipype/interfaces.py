@@ -31,6 +31,7 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
 from nipype.utils.filemanip import fname_presuffix
 
 from .engine import DEFAULTS, NOISE_FLOORS
+from .engine.maps import MAPS
 from .engine.gpu import absent_reason, visible_devices as visible_gpus
 from .engine.complex_data import PHASE_METHODS
 from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS, FILTERS
@@ -284,7 +285,7 @@ class MPPCADenoise(SimpleInterface):
             parameters["bvals"] = io.read_numbers(self.inputs.bval_file, ".bval file")
         if self.inputs.demean == "groups" and isdefined(self.inputs.volume_groups):
             parameters["groups"] = list(self.inputs.volume_groups)
-        maps = tuple(name for name in ("lambda_plus", "variance_removed") if getattr(self.inputs, name))
+        maps = tuple(name for name in MAPS if getattr(self.inputs, name))
         if maps:
             parameters["maps"] = maps
         phase = None

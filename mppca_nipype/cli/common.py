@@ -366,7 +366,9 @@ def add_map_options(parser, *, files: bool) -> None:
 
 def maps_asked(args) -> tuple:
     """The extra maps ``denoise`` is to compute (``engine.MAPS``) for the options given (``add_map_options``)."""
-    return tuple(name for name in ("lambda_plus", "variance_removed") if getattr(args, name))
+    from ..engine.maps import MAPS
+
+    return tuple(name for name in MAPS if getattr(args, name))
 
 
 def maps_problem(args) -> str | None:
