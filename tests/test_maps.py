@@ -153,6 +153,31 @@ def test_with_a_noise_floor_variance_removed_is_given_and_lambda_plus_refused():
     np.testing.assert_allclose(result.variance_removed, expected, rtol=1e-6)
 
 
+def test_groups_of_volumes_and_echoes_give_both_maps():
+    """With each voxel's mean removed per group of volumes, lambda_plus is that of the patches of the group
+    contrasts (orthonormal: the noise keeps its variance), and variance_removed is over every volume (of
+    every echo)."""
+    from mppca_nipype.engine.groups import GroupContrasts
+
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=16, rank=3, sigma=5.0, seed=15)
+    labels = np.repeat([0, 1], 8)
+    both = ("lambda_plus", "variance_removed")
+    options = dict(extent=3, stride=2, device="cpu", nprocs=1)
+    result = denoise(noisy, demean="groups", groups=labels, maps=both, **options)
+    transform = GroupContrasts(labels)
+    contrasts = transform.forward(noisy.reshape(-1, 16).astype(np.float64))[0].reshape(7, 6, 5, -1)
+    inner = denoise(contrasts.astype(np.float32), demean="none", _removed_means=2, maps="lambda_plus", **options)
+    np.testing.assert_allclose(result.lambda_plus, inner.lambda_plus, rtol=1e-6)
+    expected = np.mean((noisy.astype(np.float64) - result.denoised) ** 2, axis=3)
+    np.testing.assert_allclose(result.variance_removed, expected, rtol=1e-5)
+
+    echoes = np.stack([noisy[..., :8], noisy[..., 8:] * 0.7], axis=3)  # (X, Y, Z, E, T)
+    result = denoise(echoes, maps="variance_removed", **options)
+    assert result.lambda_plus is None
+    expected = np.mean((echoes.astype(np.float64) - result.denoised) ** 2, axis=(3, 4))
+    np.testing.assert_allclose(result.variance_removed, expected, rtol=1e-5)
+
+
 def run_command(*args):
     return subprocess.run([sys.executable, "-m", "mppca_nipype.cli.denoise", *map(str, args)], capture_output=True,
                           text=True, timeout=120)
@@ -187,6 +212,15 @@ def test_the_command_refuses_lambda_plus_where_it_has_none_in_one_line(tmp_path,
     done = run_command(source, tmp_path / "out.nii", "--lambda-plus", tmp_path / "edge.nii", *options)
     assert done.returncode == 2 and message in done.stderr
     assert len([line for line in done.stderr.splitlines() if line.startswith("mppca-denoise: error")]) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.nii"]
+
+
+def test_the_command_refuses_the_maps_of_a_complex_series_before_reading(tmp_path):
+    noisy, _ = low_rank_phantom((5, 5, 5), n_volumes=8, rank=2, sigma=3.0, seed=16)
+    source = tmp_path / "in.nii"
+    nib.save(nib.Nifti1Image(noisy.astype(np.complex64) * np.exp(0.3j), np.eye(4)), source)
+    done = run_command(source, tmp_path / "out.nii", "--variance-removed", tmp_path / "removed.nii")
+    assert done.returncode == 2 and "is a complex series; --lambda-plus and --variance-removed" in done.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["in.nii"]
 
 
