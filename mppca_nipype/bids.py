@@ -216,7 +216,8 @@ def derivative_names(source_relpath, phase_relpath=None) -> dict:
     on request (``lambda_plus``, ``variance_removed`` and their ``_json``), and for DWI ``bval``, ``bvec``.
     With ``phase_relpath``, the ``part-phase`` run paired with the ``part-mag`` run at ``source_relpath``, also
     ``phase`` and ``phase_json`` (the denoised phase: the phase run's name with ``desc-denoised``, in the
-    magnitude's format), and the maps and gradient files are named once for the pair, without ``part``.
+    magnitude's format), and the maps and gradient files are named once for the pair, without ``part`` (a pair
+    has no maps on request: it is denoised as complex data).
     """
     source = PurePosixPath(source_relpath)
     entities, suffix, extension = split_name(source.name)
@@ -233,6 +234,8 @@ def derivative_names(source_relpath, phase_relpath=None) -> dict:
         names.update(phase=name(phase_entities, DENOISED_DESC, suffix) + extension,
                      phase_json=name(phase_entities, DENOISED_DESC, suffix) + ".json")
     for kind, (desc, ending, _) in MAPS.items():
+        if phase_relpath is not None and kind in REQUESTED_MAPS:
+            continue
         names[kind] = name(shared, desc, suffix + ending) + extension
         names[f"{kind}_json"] = name(shared, desc, suffix + ending) + ".json"
     if suffix == "dwi":
