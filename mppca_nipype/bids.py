@@ -209,15 +209,15 @@ def split_name(filename: str):
     return entities, parts[-1], match.group(1)
 
 
-def derivative_names(source_relpath, phase_relpath=None) -> dict:
+def derivative_names(source_relpath, phase_relpath=None, maps=()) -> dict:
     """Paths, relative to OUTPUT_DIR, of every derivative of the raw run at ``source_relpath``.
 
     Keys: ``denoised``, ``denoised_json``, ``noise``, ``noise_json``, ``rank``, ``rank_json``, the maps written
-    on request (``lambda_plus``, ``variance_removed`` and their ``_json``), and for DWI ``bval``, ``bvec``.
-    With ``phase_relpath``, the ``part-phase`` run paired with the ``part-mag`` run at ``source_relpath``, also
-    ``phase`` and ``phase_json`` (the denoised phase: the phase run's name with ``desc-denoised``, in the
-    magnitude's format), and the maps and gradient files are named once for the pair, without ``part`` (a pair
-    has no maps on request: it is denoised as complex data).
+    on request that ``maps`` names (``lambda_plus``, ``variance_removed``; each with its ``_json``), and for
+    DWI ``bval``, ``bvec``. With ``phase_relpath``, the ``part-phase`` run paired with the ``part-mag`` run at
+    ``source_relpath``, also ``phase`` and ``phase_json`` (the denoised phase: the phase run's name with
+    ``desc-denoised``, in the magnitude's format), and the maps and gradient files are named once for the pair,
+    without ``part``.
     """
     source = PurePosixPath(source_relpath)
     entities, suffix, extension = split_name(source.name)
@@ -234,7 +234,7 @@ def derivative_names(source_relpath, phase_relpath=None) -> dict:
         names.update(phase=name(phase_entities, DENOISED_DESC, suffix) + extension,
                      phase_json=name(phase_entities, DENOISED_DESC, suffix) + ".json")
     for kind, (desc, ending, _) in MAPS.items():
-        if phase_relpath is not None and kind in REQUESTED_MAPS:
+        if kind in REQUESTED_MAPS and kind not in maps:
             continue
         names[kind] = name(shared, desc, suffix + ending) + extension
         names[f"{kind}_json"] = name(shared, desc, suffix + ending) + ".json"
@@ -658,7 +658,8 @@ class DerivativesSink(SimpleInterface):
     def _run_interface(self, runtime):
         root = Path(self.inputs.output_dir)
         phase_source = self.inputs.phase_source_file if isdefined(self.inputs.phase_source_file) else None
-        names = derivative_names(self.inputs.source_file, phase_source)
+        asked = [kind for kind in REQUESTED_MAPS if isdefined(getattr(self.inputs, f"{kind}_file"))]
+        names = derivative_names(self.inputs.source_file, phase_source, maps=asked)
         # the pair's files derive from both parts: each part's own raw run first (reports.write_subject_report)
         sources = [raw_uri(self.inputs.source_file), *([raw_uri(phase_source)] if phase_source else [])]
         sidecar = json.loads(Path(self.inputs.sidecar_file).read_text())
@@ -678,10 +679,9 @@ class DerivativesSink(SimpleInterface):
         contents = [("noise", self.inputs.noise_file), ("rank", self.inputs.rank_file),
                     ("noise_json", {"Description": noise_description, "Sources": sources}),
                     ("rank_json", {"Description": MAPS["rank"][2], "Sources": sources})]
-        for kind in REQUESTED_MAPS:
-            if isdefined(getattr(self.inputs, f"{kind}_file")):
-                contents += [(kind, getattr(self.inputs, f"{kind}_file")),
-                             (f"{kind}_json", {"Description": MAPS[kind][2], "Sources": sources})]
+        for kind in asked:
+            contents += [(kind, getattr(self.inputs, f"{kind}_file")),
+                         (f"{kind}_json", {"Description": MAPS[kind][2], "Sources": sources})]
         if "bval" in names and isdefined(self.inputs.bval) and isdefined(self.inputs.bvec):
             contents += [("bval", self.inputs.bval), ("bvec", self.inputs.bvec)]
         if isdefined(self.inputs.figures):  # QC figures <kind>.png from reports.RunReport

@@ -277,6 +277,20 @@ def test_the_bids_app_refuses_lambda_plus_with_a_noise_floor_before_reading(tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_bids_names_the_maps_only_when_asked_and_the_outputs_page_shows_them():
+    from pathlib import Path
+
+    from mppca_nipype.bids import derivative_names
+
+    source = "sub-01/ses-1/func/sub-01_ses-1_task-rest_run-1_bold.nii.gz"
+    plain, asked = derivative_names(source), derivative_names(source, maps=("lambda_plus", "variance_removed"))
+    assert set(asked) - set(plain) == {"lambda_plus", "lambda_plus_json", "variance_removed",
+                                       "variance_removed_json"}
+    assert asked["lambda_plus"] == "sub-01/ses-1/func/sub-01_ses-1_task-rest_run-1_desc-lambdaplus_boldmap.nii.gz"
+    text = (Path(__file__).resolve().parents[1] / "docs" / "outputs.md").read_text()
+    assert all(name in text for name in asked.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("aggregation, stride, demean", [("weighted", 3, "volume"), ("uniform", 2, "voxel"),
                                                          ("center", 1, "none")])
