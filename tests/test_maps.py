@@ -266,6 +266,38 @@ def test_the_bids_app_writes_the_maps_asked_for_under_their_desc_names(tmp_path,
         assert f"*_desc-{desc}_*" in (output_dir / ".bidsignore").read_text().splitlines()
 
 
+def test_the_bids_app_writes_each_echo_the_maps_of_its_run(tmp_path, capsys):
+    from bids_helpers import SHAPE, make_dataset
+    from mppca_nipype.cli.bids_app import main
+    from mppca_nipype.demo import write_series
+    from test_groups import echo_phantom
+
+    root = make_dataset(tmp_path / "bids", subjects=("01",))
+    func = root / "sub-01/ses-1/func"
+    noisy, _ = echo_phantom(shape=SHAPE, n_volumes=14)
+    for echo in (1, 2):
+        write_series(func / f"sub-01_ses-1_task-me_echo-{echo}_bold.nii.gz", noisy[:, :, :, echo - 1],
+                     repetition_time=2.0)
+    with pytest.raises(SystemExit) as stopped:
+        main([str(root), str(tmp_path / "out"), "participant", "--datatype", "func", "--variance-removed",
+              "--skip-bids-validation", "--no-reports", "--nprocs", "1", "--device", "cpu", "--bids-filter-file",
+              str(_filter_file(tmp_path, {"bold": {"task": "me"}}))])
+    assert stopped.value.code == 0, capsys.readouterr().err
+    expected = denoise(noisy[:, :, :, :2], device="cpu", nprocs=1, maps="variance_removed")
+    for echo in (1, 2):
+        name = f"sub-01_ses-1_task-me_echo-{echo}_desc-varianceremoved_boldmap.nii.gz"
+        written = tmp_path / "out/sub-01/ses-1/func" / name
+        np.testing.assert_allclose(nib.load(written).get_fdata(), expected.variance_removed, rtol=1e-6)
+
+
+def _filter_file(folder, filters):
+    import json
+
+    path = folder / "filters.json"
+    path.write_text(json.dumps(filters))
+    return path
+
+
 def test_the_bids_app_refuses_lambda_plus_with_a_noise_floor_before_reading(tmp_path, capsys):
     from mppca_nipype.cli.bids_app import EXIT, main
 
