@@ -88,6 +88,29 @@ def test_the_noise_level_is_recovered_from_the_magnitudes_spread(coils):
     assert np.all(spread[:2] < 0.8 * sigma[:2])  # the raw spread is far below sigma at low SNR
 
 
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_the_host_steps_give_the_same_numbers_on_any_number_of_threads(order, monkeypatch):
+    """The transforms and the noise level's bisection, spread over threads in chunks and slabs, are
+    bit-identical to one thread, for a series in either memory order."""
+    from mppca_nipype.engine import noise_floor
+
+    monkeypatch.setattr(noise_floor, "CHUNK", 1000)  # many chunks and slabs on this small series
+    rng = np.random.default_rng(5)
+    means = np.asarray(rng.uniform(0, 30, (13, 7, 5, 11)).astype(np.float32), order=order)
+    spread = rng.uniform(0.5, 3, (13, 7, 5))
+    spread[2, 3, 4] = 0  # stays 0
+    one = noise_level_from_magnitude(spread, means, 1, threads=1)
+    np.testing.assert_array_equal(noise_level_from_magnitude(spread, means, 1, threads=3), one)
+    assert one[2, 3, 4] == 0 and np.all(one[spread > 0] >= spread[spread > 0])
+    transform = stabilizer(1)
+    for function in (transform.forward, transform.inverse):
+        single, spread_out = np.empty_like(means), np.empty_like(means)
+        noise_floor._in_chunks(function, means, single, threads=1)
+        noise_floor._in_chunks(function, means, spread_out, threads=4)
+        np.testing.assert_array_equal(spread_out, single)
+        np.testing.assert_array_equal(single, function(means).astype(np.float32))
+
+
 # -- denoising a magnitude phantom ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

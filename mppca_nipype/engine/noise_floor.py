@@ -19,6 +19,7 @@ doi:10.1109/ISBI.2011.5872758
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 import math
@@ -26,6 +27,7 @@ import time
 
 import numpy as np
 
+from .backend import available_cpus
 from .errors import MPPCAInputError
 
 #: The noise-floor models: ``none`` (data taken as signal plus Gaussian noise: dwidenoise's model), ``rician``
@@ -40,8 +42,8 @@ THETA_STEP = 0.02
 Y_STEP = 0.005
 #: Refinements of the first-order transform (below); each brings the variance of f(y) closer to 1.
 REFINEMENTS = 40
-#: Values transformed at a time (bounds the float64 temporaries of a large series).
-CHUNK = 1 << 22
+#: Values transformed at a time by one thread (bounds the float64 temporaries of a large series).
+CHUNK = 1 << 20
 
 
 def check_noise_floor(noise_floor, coils) -> int:
@@ -189,16 +191,31 @@ def _piecewise(means, slopes, coils, thetas) -> MagnitudeStabilizer:
     return MagnitudeStabilizer(coils, means, values, thetas, thetas)
 
 
-def _in_chunks(function, values, out):
+def _in_chunks(function, values, out, threads: int = 1):
     """``out[...] = function(values)`` a CHUNK of values at a time, in the arrays' own memory order (both
-    contiguous, in the same order)."""
+    contiguous, in the same order), the chunks spread over ``threads`` threads (NumPy's interpolation and
+    arithmetic run without Python's lock, so they run side by side)."""
     order = "F" if values.flags.f_contiguous and not values.flags.c_contiguous else "C"
     flat_in, flat_out = values.reshape(-1, order=order), out.reshape(-1, order=order)
     if not np.shares_memory(flat_out, out):
         raise ValueError("the output of a chunked transform must be contiguous")
-    for start in range(0, flat_in.size, CHUNK):
+
+    def chunk(start):
         flat_out[start:start + CHUNK] = function(flat_in[start:start + CHUNK])
+
+    _on_threads(chunk, range(0, flat_in.size, CHUNK), threads)
     return out
+
+
+def _on_threads(work, items, threads: int):
+    """``work(item)`` for every item, on up to ``threads`` threads; the first error is raised."""
+    items = list(items)
+    if threads <= 1 or len(items) <= 1:
+        for item in items:
+            work(item)
+        return
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
+        list(pool.map(work, items))
 
 
 #: Bisection steps of ``noise_level_from_magnitude``: the bracket [sigma_mp, sigma_mp / s(0)] (a ratio under
@@ -206,18 +223,32 @@ def _in_chunks(function, values, out):
 SIGMA_BISECTIONS = 14
 
 
-def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int):
+def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int, threads: int = 1):
     """The channels' sigma from MP-PCA's noise level of magnitude data, voxel by voxel.
 
     MP-PCA measures the spread of m itself, sigma * s(theta), which at low SNR lies below sigma (Rayleigh
     background: 0.655 sigma). With the denoised magnitude d_t ~ sigma mu(theta_t) of each volume, sigma solves
     sigma^2 * mean over t of s^2(theta_t) = sigma_mp^2, theta_t where mu(theta_t) = d_t / sigma. Since s lies
     between s(0) and 1, sigma lies between sigma_mp and sigma_mp / s(0): found by SIGMA_BISECTIONS bisections
-    (``sigma_magnitude`` (X, Y, Z), ``mean_magnitude`` (X, Y, Z, T); 0 stays 0).
+    (``sigma_magnitude`` (X, Y, Z), ``mean_magnitude`` (X, Y, Z, T); 0 stays 0), slabs of x-planes on
+    ``threads`` threads (each voxel's arithmetic is the same whatever the slabs).
     """
     thetas = np.arange(0, THETA_MAX + THETA_STEP / 2, THETA_STEP)
     means, variances = magnitude_mean(thetas, coils), np.square(magnitude_sd(thetas, coils))
     sigma_mp = np.asarray(sigma_magnitude, np.float64)
+    sigma = np.zeros(sigma_mp.shape)
+    planes = max(1, CHUNK // max(1, math.prod(mean_magnitude.shape[1:])))
+
+    def slab(start):
+        x = slice(start, start + planes)
+        sigma[x] = _bisected_noise_level(sigma_mp[x], mean_magnitude[x], means, variances)
+
+    _on_threads(slab, range(0, sigma_mp.shape[0], planes), threads)
+    return sigma
+
+
+def _bisected_noise_level(sigma_mp, mean_magnitude, means, variances):
+    """``noise_level_from_magnitude`` of some voxels: ``sigma_mp`` (V...) and ``mean_magnitude`` (V..., T)."""
     positive = sigma_mp > 0
     low = np.where(positive, sigma_mp, 1.0)
     high = low / math.sqrt(variances[0])
@@ -228,7 +259,7 @@ def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int):
         np.divide(mean_magnitude, sigma.astype(np.float32)[..., None], out=spread)
         # s^2 as a function of the mean: that of theta = 0 below mu(0), 1 above the table
         _in_chunks(lambda mu: np.interp(mu, means, variances, right=1.0), spread, spread)
-        too_large = sigma**2 * spread.mean(axis=3, dtype=np.float64) > target
+        too_large = sigma**2 * spread.mean(axis=-1, dtype=np.float64) > target
         high, low = np.where(too_large, sigma, high), np.where(too_large, low, sigma)
     return np.where(positive, np.sqrt(low * high), 0.0)
 
@@ -270,9 +301,10 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
         seconds[phase], last = round(now - last, 4), now
 
     finite = np.isfinite(data).all(axis=3)
+    threads = run_options.get("nprocs") or available_cpus()  # the host's part: transforms, the noise level
     if noise is None:
         first = denoise(data, mask, **denoise_options, **run_options)
-        sigma = noise_level_from_magnitude(first.sigma, first.denoised, coils)
+        sigma = noise_level_from_magnitude(first.sigma, first.denoised, coils, threads)
         del first
         lap("first pass")
     else:
@@ -289,13 +321,13 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     transform = stabilizer(coils)
     stabilized = np.empty_like(data)
     np.divide(data, scale[..., None], out=stabilized)
-    _in_chunks(transform.forward, stabilized, stabilized)
+    _in_chunks(transform.forward, stabilized, stabilized, threads)
     lap("transform")
     second = denoise(stabilized, mask, **denoise_options, **run_options)
     del stabilized
     lap("second pass")
     signal = second.denoised
-    _in_chunks(transform.inverse, signal, signal)
+    _in_chunks(transform.inverse, signal, signal, threads)
     signal *= scale[..., None]
     kept = mask & ~finite  # voxels the engine left as they were (NaN/Inf) keep the input's values
     if kept.any():
