@@ -445,6 +445,11 @@ def run(args) -> int:
                 os.environ.pop(variable, None)
 
 
+#: GPU nodes at once where the GPU worker serves them: the worker runs their series one at a time, and the
+#: others meanwhile decompress their input or compress their output on the CPU.
+GPU_WORKER_NODES = 4
+
+
 def start_gpu_worker(args, use_gpu):
     """The GPU worker that serves this run's nodes (``gpu_worker``), started now so that torch and CUDA start
     while the dataset is indexed; None where the nodes run on the CPU, in this process (Linear), as batch jobs,
@@ -573,8 +578,9 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
         plugin_args.setdefault("n_procs", nprocs)
         plugin_args.setdefault("raise_insufficient", False)
         # one GPU node per visible device (nvidia-smi, Nipype's default, ignores CUDA_VISIBLE_DEVICES)
-        # with the GPU worker, two: one node reads or writes its files while the worker runs another's series
-        plugin_args.setdefault("n_gpu_procs", (2 if worker_address() else len(visible_gpus())) if use_gpu else 0)
+        # with the GPU worker, GPU_WORKER_NODES: nodes read and write their files while the worker runs another's
+        plugin_args.setdefault("n_gpu_procs", (GPU_WORKER_NODES if worker_address() else len(visible_gpus()))
+                               if use_gpu else 0)
         if use_gpu:  # workers start clean: CUDA cannot be used in a process forked after it started
             plugin_args.setdefault("mp_context", "forkserver")
     if args.plugin == "SLURM":
