@@ -442,11 +442,19 @@ def write_run_figures(noisy, result, out_dir, *, mask=None, zooms=(1, 1, 1), tit
 
 
 def load_for_report(path):
-    """A NIfTI image's data in RAS voxel order (float32) and its voxel sizes."""
+    """A NIfTI image's data in RAS voxel order (float32) and its voxel sizes: what
+    ``nibabel.as_closest_canonical`` gives, with the values read by ``io.read_data`` (ISA-L for .nii.gz, several
+    times nibabel's gzip) and the axes turned as a view."""
     import nibabel as nib
+    from nibabel.orientations import apply_orientation, io_orientation
 
-    image = nib.as_closest_canonical(nib.load(str(path)))
-    return np.asarray(image.get_fdata(dtype=np.float32)), tuple(float(z) for z in image.header.get_zooms()[:3])
+    from .io import read_data
+
+    image = nib.load(str(path))
+    turn = io_orientation(image.affine)  # (the input axis of each RAS axis, its flip)
+    data = apply_orientation(read_data(image, path, "report's"), turn)
+    zooms = np.asarray(image.header.get_zooms()[:3], dtype=float)
+    return data, tuple(float(zooms[int(axis)]) for axis in np.argsort(turn[:, 0]))
 
 
 # ---------------------------------------------------------------------------------------- Nipype node

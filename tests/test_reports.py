@@ -168,3 +168,21 @@ def test_the_page_escapes_what_it_shows():
                provenance={"NoiseMedian": 1.0, "RankMedian": 2.0, "Warnings": ["<script>"]})
     text = subject_report_html("01", [run])
     assert "<script>" not in text and "&lt;script&gt;" in text and "sub-01_&lt;b&gt;_bold" in text
+
+
+@pytest.mark.parametrize("affine", [np.diag([-2.0, 3.0, 1.5, 1.0]),
+                                    np.array([[0, -1.0, 0, 0], [0, 0, 2.5, 0], [-3.0, 0, 0, 0], [0, 0, 0, 1.0]])])
+def test_a_report_reads_the_series_as_nibabels_closest_canonical(tmp_path, affine):
+    """``load_for_report`` (ISA-L, axes turned as a view) gives what ``nibabel.as_closest_canonical`` gives."""
+    import nibabel as nib
+
+    from mppca_nipype.reports import load_for_report
+
+    data = np.random.default_rng(6).standard_normal((5, 6, 7, 3)).astype(np.float32)
+    image = nib.Nifti1Image(data, affine)
+    image.header.set_zooms((*np.abs(affine[:3, :3]).max(axis=0), 2.0))
+    nib.save(image, tmp_path / "series.nii.gz")
+    canonical = nib.as_closest_canonical(nib.load(tmp_path / "series.nii.gz"))
+    values, zooms = load_for_report(tmp_path / "series.nii.gz")
+    np.testing.assert_array_equal(values, canonical.get_fdata(dtype=np.float32))
+    assert zooms == tuple(float(z) for z in canonical.header.get_zooms()[:3])
