@@ -135,11 +135,8 @@ def denoise_remote(data, mask, parameters, *, phase=None, gpu_memory=None):
         if "error" in reply:
             raise reply["error"]
         arrays = {name: _attached(description, take=True) for name, description in reply["arrays"].items()}
-    info = dict(reply["info"], gpu_worker=reply["pid"])
-    if "phase" in arrays:
-        return ComplexDenoiseResult(arrays["denoised"], arrays["phase"], arrays["sigma"], arrays["rank"],
-                                    info=info)
-    return DenoiseResult(arrays["denoised"], arrays["sigma"], arrays["rank"], info=info)
+    kind = ComplexDenoiseResult if reply["kind"] == ComplexDenoiseResult.__name__ else DenoiseResult
+    return kind(**arrays, info=dict(reply["info"], gpu_worker=reply["pid"]))  # (the maps asked for, too)
 
 
 def serve_one(request, device: str) -> dict:
@@ -159,12 +156,10 @@ def serve_one(request, device: str) -> dict:
                 result = denoise(data, mask, **options)
             else:
                 result = denoise_complex(data, _attached(request["phase"], stack), mask, **options)
-            outputs = dict(denoised=result.denoised, sigma=result.sigma, rank=result.rank)
-            if hasattr(result, "phase"):
-                outputs["phase"] = result.phase
+            outputs = {name: value for name, value in vars(result).items() if isinstance(value, np.ndarray)}
             for name, array in outputs.items():  # the client takes them
                 reply["arrays"][name] = _shared_array(array)
-            reply["info"] = result.info
+            reply["info"], reply["kind"] = result.info, type(result).__name__
             del data, mask, result, outputs
         except Exception as err:  # the engine's errors go back to the node, which reports them
             reply["error"] = _sendable(err.with_traceback(None))

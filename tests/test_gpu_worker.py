@@ -57,6 +57,15 @@ def test_the_worker_returns_what_the_engine_computes_here(served, order, monkeyp
     assert len(seen) == 5 and not any(Path("/dev/shm", b.name).exists() for b in seen)  # all unlinked
 
 
+def test_the_maps_asked_for_come_back_too(served):
+    noisy, _ = low_rank_phantom((14, 12, 10), n_volumes=20, rank=3, sigma=5.0, seed=47)
+    options = dict(extent=5, maps=("lambda_plus", "variance_removed"))
+    remote = denoise_remote(noisy, None, options)
+    here = denoise(noisy, **options, device="cpu")
+    np.testing.assert_array_equal(remote.lambda_plus, here.lambda_plus)
+    np.testing.assert_array_equal(remote.variance_removed, here.variance_removed)
+
+
 def test_complex_data_go_through_the_worker(served):
     magnitude, phase = complex_dwi_phantom((16, 14, 10), n_volumes=20, sigma=60.0, seed=42)[:2]
     remote = denoise_remote(magnitude, None, dict(phase_method="hann"), phase=phase)
