@@ -8,12 +8,16 @@ phase, complex Gaussian noise; seed 0) at ``--shape`` x ``--volumes`` (default 9
 - ``noise-in``: the true sigma given (``noise=``);
 - ``rician``, ``ncchi 4``: the magnitude noise floor (``noise_floor=``; ``coils=4`` for ``ncchi``);
 - ``optshrink``, ``optthresh``: the filters;
-- ``phase hann``, ``phase mppca``: complex data (``denoise_complex``, with the phase).
+- ``phase hann``, ``phase mppca``: complex data (``denoise_complex``, with the phase);
+- ``groups 4``: each voxel's mean per group of volumes removed (``demean="groups"``, the volumes in 4
+  groups in turn);
+- ``maps``: the lambda_plus and variance_removed maps asked for.
 
 Each run is timed host to host in this process (NumPy in, NumPy out), ``--repeats`` times after one warm-up
-(kernels compiled), best kept; the ratio to the magnitude-only run's best is the option's cost. With ``--cpu``, the same run on
-the CPU engine (``--threads`` workers, once) gives the agreement: the rms of the difference of the denoised
-series over the rms of the CPU's (in the head), and the share of voxels where the rank maps are equal.
+(kernels compiled), best kept; the ratio to the magnitude-only run's best is the option's cost. With
+``--cpu``, the same run on the CPU engine (``--threads`` workers, once) gives the agreement: the rms of
+the difference of the denoised series over the rms of the CPU's (in the head), and the share of voxels
+where the rank maps are equal.
 
 Usage (from the repository root, on a machine with a CUDA GPU)::
 
@@ -52,6 +56,8 @@ OPTIONS = {
     "optthresh": {"filter": "optthresh"},
     "phase hann": {"phase_method": "hann"},
     "phase mppca": {"phase_method": "mppca"},
+    "groups 4": {"demean": "groups", "groups": "4"},
+    "maps": {"maps": ("lambda_plus", "variance_removed")},
 }
 
 
@@ -59,6 +65,8 @@ def run_option(keywords, magnitude, phase, sigma, device, threads):
     keywords = dict(keywords)
     if keywords.get("noise") == "true":
         keywords["noise"] = sigma
+    if "groups" in keywords:  # the volumes in that many groups, in turn (as interleaved shells)
+        keywords["groups"] = np.arange(magnitude.shape[3]) % int(keywords["groups"])
     if "phase_method" in keywords:
         return denoise_complex(magnitude, phase, device=device, nprocs=threads, **keywords)
     return denoise(magnitude, device=device, nprocs=threads, **keywords)
