@@ -190,7 +190,9 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
     stride = traits.Int(DEFAULTS["stride"], usedefault=True,
                         desc="patch grid step; 1 makes every voxel the centre of a patch (dwidenoise)")
     estimator = traits.Enum(*default_first("estimator", ESTIMATORS), usedefault=True,
-                            desc="Marchenko-Pastur noise estimator (Cordero-Grande 2019: exp2; Veraart 2016: exp1)")
+                            desc="Marchenko-Pastur noise estimator: exp2 (Cordero-Grande 2019), exp1 (Veraart "
+                                 "2016), med (the median noise eigenvalue, Gavish & Donoho 2014), olesen2023 "
+                                 "(Olesen et al. 2023)")
     aggregation = traits.Enum(*default_first("aggregation", AGGREGATIONS), usedefault=True,
                               desc="how overlapping patches combine; 'center' needs stride 1")
     demean = traits.Enum(*default_first("demean", DEMEANING + GROUP_DEMEANING), usedefault=True,

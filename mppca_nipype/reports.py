@@ -63,9 +63,10 @@ FIGURES = {
                 "eigenvalues of the patch's Gram matrix divided by max(voxels, volumes), as a histogram "
                 "scaled so that the noise eigenvalues integrate to 1, over the Marchenko-Pastur density with "
                 "the estimated sigma^2 and ratio gamma; the dashed line is the cut-off, the largest eigenvalue "
-                "the estimator's test still calls noise (the smallest eigenvalue plus the width of the "
-                "Marchenko-Pastur support, 4 sqrt(gamma) sigma^2). Bottom, all eigenvalues in decreasing order (log scale): those "
-                "above the cut-off (red) are kept as signal."),
+                "the estimator's test still calls noise (exp1, exp2: the smallest eigenvalue plus the width of "
+                "the Marchenko-Pastur support, 4 sqrt(gamma) sigma^2; med, olesen2023: the support's upper edge "
+                "for the whole patch, sigma^2 (1 + sqrt(r/q))^2). Bottom, all eigenvalues in decreasing order "
+                "(log scale): those above the cut-off (red) are kept as signal."),
 }
 
 #: Colours: noise grey, signal red, theory blue.
@@ -81,7 +82,8 @@ class PatchSpectrum:
 
     ``eigenvalues``: the ``r`` usable eigenvalues of the Gram matrix divided by ``q`` (descending),
     ``rank`` (P) and ``sigma2`` from ``marchenko_pastur_threshold``, ``gamma`` = gamma(P) of the estimator,
-    ``corner`` the window's corner voxel, ``n_voxels``/``n_volumes`` the degrees of freedom used.
+    ``corner`` the window's corner voxel, ``n_voxels``/``n_volumes`` the degrees of freedom used, and the
+    ``estimator``.
     """
 
     eigenvalues: np.ndarray
@@ -91,17 +93,38 @@ class PatchSpectrum:
     corner: tuple
     n_voxels: int
     n_volumes: int
+    estimator: str = DEFAULTS["estimator"]
+
+    @property
+    def spread_test(self) -> bool:
+        """Whether the estimator tests the noise eigenvalues' spread (exp1, exp2), not their upper edge."""
+        from .engine.estimators import SPREAD_ESTIMATORS
+
+        return self.estimator in SPREAD_ESTIMATORS
+
+    @property
+    def mean(self) -> float:
+        """Mean of the noise eigenvalues under the fitted law: sigma^2, or for the edge estimators, which
+        take them as an (r - P) x (q - P) noise matrix's, sigma^2 (q - P) / q."""
+        if self.spread_test:
+            return self.sigma2
+        q = max(self.n_voxels, self.n_volumes)
+        return self.sigma2 * (q - self.rank) / q
 
     @property
     def edge(self) -> float:
-        """Upper edge of the fitted Marchenko-Pastur support, sigma^2 (1 + sqrt(gamma))^2."""
-        return self.sigma2 * (1 + np.sqrt(self.gamma)) ** 2
+        """Upper edge of the fitted Marchenko-Pastur support, mean (1 + sqrt(gamma))^2."""
+        return self.mean * (1 + np.sqrt(self.gamma)) ** 2
 
     @property
     def cutoff(self) -> float:
         """The largest eigenvalue the estimator's test calls noise at the chosen P: the smallest eigenvalue
-        plus the width of the Marchenko-Pastur support, lambda_r + 4 sqrt(gamma) sigma^2."""
-        return float(self.eigenvalues[-1]) + 4 * np.sqrt(self.gamma) * self.sigma2
+        plus the width of the Marchenko-Pastur support, lambda_r + 4 sqrt(gamma) sigma^2 (exp1, exp2); the
+        whole patch's upper edge sigma^2 (1 + sqrt(r / q))^2 (med, olesen2023)."""
+        if self.spread_test:
+            return float(self.eigenvalues[-1]) + 4 * np.sqrt(self.gamma) * self.sigma2
+        r, q = min(self.n_voxels, self.n_volumes), max(self.n_voxels, self.n_volumes)
+        return self.sigma2 * (1 + np.sqrt(r / q)) ** 2
 
 
 def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
@@ -147,7 +170,7 @@ def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULT
         gamma = (r - rank) / q if options.estimator == "exp1" else (r - rank) / (q - rank)
         spectra.append(PatchSpectrum(np.clip(eigenvalues[k, :r], 0, None) / q, rank, float(fit.sigma2[k]),
                                      float(gamma), tuple(int(c) for c in sampled.window_corner[k]),
-                                     int(n_voxels[k]), int(n_volumes)))
+                                     int(n_voxels[k]), int(n_volumes), options.estimator))
     return spectra
 
 
@@ -363,7 +386,7 @@ def plot_spectra(spectra, title=""):
                  label=["noise eigenvalues", "signal eigenvalues"])
         grid = np.linspace(1e-9, x_max, 600)
         if spectrum.sigma2 > 0 and spectrum.gamma > 0:
-            top.plot(grid, marchenko_pastur_density(grid, spectrum.sigma2, spectrum.gamma),
+            top.plot(grid, marchenko_pastur_density(grid, spectrum.mean, spectrum.gamma),
                      color=THEORY_COLOUR, linewidth=1.8, label="Marchenko-Pastur density (fitted)")
         top.axvline(spectrum.cutoff, color=SIGNAL_COLOUR, linestyle="--", linewidth=1.2, label="cut-off")
         far = signal[signal > x_max]

@@ -73,6 +73,7 @@ def cases():
     and without the settling test; the box sums' kernels; the float64 Gram and tridiagonal kernels with a
     count (the settling pass chosen on the device) and the reconstruction reading its float64 projectors;
     the division of the sums by their weights; the choice of the windows a settling pass redoes."""
+    from mppca_nipype.engine.estimators import ESTIMATORS
     from mppca_nipype.engine.gpu import boxsums, gram, reconstruction, settling, sums as slab_sums
     from mppca_nipype.engine.gpu.plan import plan_slabs
     from mppca_nipype.engine.gpu.threshold import threshold_on_device
@@ -133,7 +134,7 @@ def cases():
     yield "box sums", box
 
     values, voxels = torch.zeros((batch, 48), dtype=torch.float64), torch.full((batch,), 343)
-    for estimator in ("exp2", "exp1"):
+    for estimator in ESTIMATORS:
         for delta in (None, torch.zeros(batch, dtype=torch.float64)):
             yield (f"threshold {estimator} settle={delta is not None}",
                    lambda e=estimator, d=delta: threshold_on_device(values, voxels, 47, e, d))

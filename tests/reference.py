@@ -13,8 +13,10 @@ time course holds NaN/Inf takes part in no patch, keeps its input values, and ha
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import statistics
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -79,11 +81,14 @@ def noise_variance_curve(lam, r):
 
 
 def mp_threshold(eigenvalues, n_voxels, n_volumes, estimator):
-    """P_hat and sigma^2(P_hat) of one patch, exactly as DESIGN.md states the rule.
+    """P_hat and sigma^2(P_hat) of one patch, exactly as DESIGN.md states the rule (exp1, exp2), or by the edge
+    estimators of docs/options.md ("Estimators": med, olesen2023; ``edge_threshold``).
 
     ``eigenvalues``: the Gram matrix's eigenvalues in any order; only the r = min(n, T) largest are used.
     Returns (r, 0.0) when no P in 0 .. r-1 is noise-compatible.
     """
+    if estimator in ("med", "olesen2023"):
+        return edge_threshold(eigenvalues, n_voxels, n_volumes, estimator)
     r, q = min(n_voxels, n_volumes), max(n_voxels, n_volumes)
     s = sorted((float(v) for v in eigenvalues), reverse=True)[:r]
     lam = [max(v, 0.0) / q for v in s]  # lambda_1 >= ... >= lambda_r
@@ -92,6 +97,53 @@ def mp_threshold(eigenvalues, n_voxels, n_volumes, estimator):
         gamma = (r - P) / q if estimator == "exp1" else (r - P) / (q - P)
         if lam[P] - lam[r - 1] < 4.0 * math.sqrt(gamma) * sigma2[P]:
             return P, sigma2[P]
+    return r, 0.0
+
+
+@functools.lru_cache(maxsize=None)
+def mp_median(beta):
+    """The median of the Marchenko-Pastur law of ratio ``beta`` (0 < beta <= 1) and unit variance: the x with
+    integral_a^x sqrt((b - t)(t - a)) / (2 pi beta t) dt = 1/2, a, b = (1 -+ sqrt(beta))^2, by Brent's root
+    finder on the integral computed by quadrature. Substituting t = 1 + beta - 2 sqrt(beta) cos(u) makes the
+    integrand smooth: (2 / pi) sin(u)^2 / (1 + beta - 2 sqrt(beta) cos(u)) on [0, theta]."""
+    from scipy.integrate import quad
+    from scipy.optimize import brentq
+
+    s = math.sqrt(beta)
+    # near beta = 1 the integrand peaks within about 1 - sqrt(beta) of u = 0: quadrature is told where
+    knees = [(1 - s) * 4.0**i for i in range(8) if 0 < (1 - s) * 4.0**i < math.pi]
+
+    def below(theta):
+        # (1 + beta - 2 s cos(u), written to keep its precision near u = 0 when beta is near 1)
+        integral, _ = quad(lambda u: math.sin(u) ** 2 / ((1 - s) ** 2 + 4 * s * math.sin(u / 2) ** 2), 0.0, theta,
+                           points=[u for u in knees if u < theta] or None, epsabs=1e-16, epsrel=1e-13, limit=400)
+        return 2.0 / math.pi * integral - 0.5
+
+    theta = brentq(below, 0.0, math.pi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=200)
+    return 1 + beta - 2 * s * math.cos(theta)
+
+
+def edge_threshold(eigenvalues, n_voxels, n_volumes, estimator):
+    """P_hat's rank and sigma^2 of one patch by ``med`` or ``olesen2023`` (docs/options.md, "Estimators").
+
+    For P = 0 .. r-1 the r - P smallest lambda_i = s_i / q are noise of an (r - P) x (q - P) matrix:
+    olesen2023: sigma^2(P) = sum(s_{P+1..r}) / ((r - P)(q - P)); med: sigma^2(P) = median(lambda_{P+1..r})
+    q / ((q - P) mu((r - P) / (q - P))). P is noise-compatible when lambda_{P+1} < sigma^2(P) (1 + sqrt(r / q))^2;
+    for the smallest such P the rank is the number of lambda_i above that edge. (r, 0.0) when there is none.
+    """
+    r, q = min(n_voxels, n_volumes), max(n_voxels, n_volumes)
+    s = sorted((float(v) for v in eigenvalues), reverse=True)[:r]
+    lam = [max(v, 0.0) / q for v in s]  # lambda_1 >= ... >= lambda_r
+    spread = (1 + math.sqrt(r / q)) ** 2
+    for P in range(r):
+        noise = lam[P:r]
+        if estimator == "olesen2023":
+            sigma2 = math.fsum(max(v, 0.0) for v in s[P:r]) / ((r - P) * (q - P))
+        else:
+            sigma2 = statistics.median(noise) * q / ((q - P) * mp_median((r - P) / (q - P)))
+        edge = sigma2 * spread
+        if lam[P] < edge:
+            return sum(1 for v in lam if v > edge), sigma2
     return r, 0.0
 
 

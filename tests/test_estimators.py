@@ -1,16 +1,17 @@
 """The MP estimators, weights and projector (engine/estimators.py) against reference.mp_threshold, a plain
-float64 loop over P written from DESIGN.md's formulas, and on NumPy and torch arrays alike."""
+float64 loop over P written from DESIGN.md's formulas (exp1, exp2) and docs/options.md's (med, olesen2023),
+and on NumPy and torch arrays alike."""
 
 import numpy as np
 import pytest
 
 from mppca_nipype.engine.estimators import (
-    aggregation_weights, marchenko_pastur_threshold, signal_projector)
-from reference import mp_threshold
+    aggregation_weights, marchenko_pastur_median, marchenko_pastur_threshold, signal_projector)
+from reference import mp_median, mp_threshold
 
 torch = pytest.importorskip("torch")
 
-ESTIMATORS = ["exp1", "exp2"]
+ESTIMATORS = ["exp1", "exp2", "med", "olesen2023"]
 
 
 def reference_thresholds(eigenvalues, n_voxels, n_volumes, estimator):
@@ -81,9 +82,12 @@ def test_zero_spectrum_keeps_everything_with_sigma_zero(estimator):
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_flat_spectrum_is_all_noise(estimator):
+    # every lambda = 3 / 30: their mean (exp1, exp2; olesen2023's q / (q - 0) = 1), or their median over the
+    # median of the beta = 10 / 30 law (med)
     rank, sigma2 = marchenko_pastur_threshold(np.full((1, 10), 3.0), np.array([30]), 10, estimator)
     assert rank.tolist() == [0]
-    assert sigma2[0] == pytest.approx(3.0 / 30, rel=1e-15)
+    want = 3.0 / 30 / (mp_median(10 / 30) if estimator == "med" else 1.0)
+    assert sigma2[0] == pytest.approx(want, rel=1e-13)
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -154,6 +158,8 @@ def test_exp2_keeps_no_more_than_exp1_and_is_closer_to_the_planted_rank():
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_numpy_and_torch_agree_exactly(estimator):
+    # (med's median of the law takes sines and arctangents, which NumPy's and torch's libraries may round
+    # apart by an ulp)
     rng = np.random.default_rng(8)
     n_voxels = rng.integers(5, 80, size=200)
     eigenvalues = np.sort(rng.gamma(1.5, size=(200, 30)) ** 2, axis=1)
@@ -163,7 +169,77 @@ def test_numpy_and_torch_agree_exactly(estimator):
                                                   30, estimator)
     assert isinstance(t_rank, torch.Tensor)
     assert np.array_equal(t_rank.numpy(), rank)
-    assert np.array_equal(t_sigma2.numpy(), sigma2)
+    np.testing.assert_allclose(t_sigma2.numpy(), sigma2, rtol=1e-14 if estimator == "med" else 0, atol=0)
+
+
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+def test_the_marchenko_pastur_median_is_the_laws_median(xp):
+    """mu(beta) against quadrature of the law's density (reference.mp_median), from beta near 0 to 1; 0.6528
+    for a square matrix (Gavish & Donoho 2014's mu_1), decreasing in beta towards the law's mean 1 at 0."""
+    beta = np.array([1e-6, 1e-4, 1 / 1331, 0.01, 0.05, 0.2, 1 / 3, 0.5, 0.75, 0.9, 48 / 49, 0.999, 0.999999, 1.0])
+    got = marchenko_pastur_median(torch.from_numpy(beta) if xp == "torch" else beta)
+    got = np.asarray(got)
+    np.testing.assert_allclose(got, [mp_median(b) for b in beta], rtol=1e-13, atol=0)
+    assert got[-1] == pytest.approx(0.6528, abs=5e-5)
+    assert np.all(np.diff(got) < 0) and got[0] == pytest.approx(1, abs=1e-5)
+
+
+@pytest.mark.parametrize("n_voxels, n_volumes", [(125, 40), (27, 60), (48, 48)])
+def test_med_without_signal_is_gavish_and_donohos_median_estimate(n_voxels, n_volumes):
+    """Pure noise: P_hat = 0 in most patches, and there sigma^2 is the median lambda over mu(r / q) (Gavish &
+    Donoho's sigma from the median singular value); close to the truth, 1."""
+    rng = np.random.default_rng(10)
+    eigenvalues = noisy_spectra(rng, 40, n_voxels, n_volumes)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, np.full(40, n_voxels), n_volumes, "med")
+    r, q = min(n_voxels, n_volumes), max(n_voxels, n_volumes)
+    median = np.median(eigenvalues[:, -r:] / q, axis=1)
+    assert np.mean(rank == 0) >= 0.75
+    np.testing.assert_allclose(sigma2[rank == 0], median[rank == 0] / mp_median(r / q), rtol=1e-13)
+    assert abs(np.median(np.sqrt(sigma2)) - 1) < 0.03
+
+
+def test_olesen2023_noise_variance_is_the_noise_sum_over_the_degrees_of_freedom_left():
+    """sigma^2 = sum(s_{P+1..r}) / ((r - P)(q - P)) at the P_hat it chose, and the rank is the count above the
+    whole patch's edge sigma^2 (1 + sqrt(r / q))^2 (given_noise_threshold's rule at that sigma^2)."""
+    from mppca_nipype.engine.estimators import given_noise_threshold
+
+    rng = np.random.default_rng(11)
+    eigenvalues = noisy_spectra(rng, 30, 125, 40, planted_rank=3)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, np.full(30, 125), 40, "olesen2023")
+    assert np.all(rank == 3)
+    noise_sum = eigenvalues[:, :-3].sum(axis=1)  # ascending: all but the top three
+    np.testing.assert_allclose(sigma2, noise_sum / ((40 - 3) * (125 - 3)), rtol=1e-12)
+    np.testing.assert_array_equal(given_noise_threshold(eigenvalues, np.full(30, 125), 40, sigma2), rank)
+
+
+@pytest.mark.parametrize("estimator", ["med", "olesen2023"])
+@pytest.mark.parametrize("n_voxels, n_volumes", [(125, 40), (343, 48), (27, 60), (48, 48)])
+def test_the_edge_estimators_find_a_known_sigma_without_exp2s_bias(estimator, n_voxels, n_volumes):
+    """A planted rank 4 in noise of sigma 1: the rank is found, and sigma within 1% in the median patch
+    (olesen2023: 0.5%), closer than exp2, whose mean of the noise eigenvalues divides by q, not q - P (low by
+    1-5% on the smaller patches)."""
+    rng = np.random.default_rng(12)
+    eigenvalues = noisy_spectra(rng, 100, n_voxels, n_volumes, planted_rank=4)
+    rank, sigma2 = marchenko_pastur_threshold(eigenvalues, np.full(100, n_voxels), n_volumes, estimator)
+    assert np.median(rank) == 4 and np.mean(rank == 4) >= 0.9
+    error = abs(np.median(np.sqrt(sigma2)) - 1)
+    assert error < (0.005 if estimator == "olesen2023" else 0.01)
+    _, exp2_sigma2 = marchenko_pastur_threshold(eigenvalues, np.full(100, n_voxels), n_volumes, "exp2")
+    assert abs(np.median(np.sqrt(exp2_sigma2)) - 1) > error
+
+
+@pytest.mark.parametrize("n_voxels, n_volumes", [(125, 40), (343, 48), (27, 60), (48, 48)])
+def test_med_scatters_more_from_patch_to_patch_than_olesen2023(n_voxels, n_volumes):
+    """med's sigma rests on one or two noise eigenvalues, olesen2023's on their mean: on the same planted
+    spectra the interquartile range of med's sigma is the wider."""
+    rng = np.random.default_rng(13)
+    eigenvalues = noisy_spectra(rng, 100, n_voxels, n_volumes, planted_rank=4)
+    spreads = {}
+    for estimator in ("med", "olesen2023"):
+        _, sigma2 = marchenko_pastur_threshold(eigenvalues, np.full(100, n_voxels), n_volumes, estimator)
+        low, high = np.percentile(np.sqrt(sigma2), [25, 75])
+        spreads[estimator] = high - low
+    assert spreads["med"] > spreads["olesen2023"]
 
 
 def test_unknown_estimator_is_rejected():

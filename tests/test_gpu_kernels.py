@@ -1258,6 +1258,76 @@ def test_a_countdown_is_set_by_its_last_part_or_raises_a_parts_error():
         failing.wait()
 
 
+def edge_decisions_within_reach(values, n_voxels, n_volumes, estimator, delta):
+    """The edge estimators' settling test (``threshold._edge_rank_of``) from its definition, one window and one
+    P at a time on reference.py's numbers: every eigenvalue may move by up to ``delta`` (B,), so lambda_i and
+    the mean or median of any of them by delta / q, and the test lambda_{P+1} < sigma^2(P) e, sigma^2(P) =
+    scale(P) times that mean or median, e = (1 + sqrt(r / q))^2, by up to delta / q (1 + scale(P) e). The rank
+    is unsettled when the smallest P surely passing differs from the smallest possibly passing, or when some
+    lambda_i lies within reach of the chosen P's edge."""
+    import math
+    import statistics
+
+    from reference import mp_median
+
+    unsettled = []
+    for spectrum, n, reach_of_window in zip(values.tolist(), n_voxels.tolist(), delta.reshape(-1).tolist()):
+        r, q = min(n, n_volumes), max(n, n_volumes)
+        lam = [max(v, 0.0) / q for v in sorted(spectrum, reverse=True)[:r]]
+        spread = (1 + math.sqrt(r / q)) ** 2
+        margin, reach, edge = [], [], []
+        for P in range(r):
+            if estimator == "olesen2023":
+                bulk, scale = math.fsum(lam[P:]) / (r - P), q / (q - P)
+            else:
+                bulk, scale = statistics.median(lam[P:]), q / ((q - P) * mp_median((r - P) / (q - P)))
+            edge.append(bulk * scale * spread)
+            margin.append(lam[P] - edge[-1])
+            reach.append(reach_of_window / q * (1 + scale * spread))
+        surely = next((P for P in range(r) if margin[P] < -reach[P]), None)
+        possibly = next((P for P in range(r) if margin[P] < reach[P]), None)
+        chosen = next((P for P in range(r) if margin[P] < 0), None)
+        near = chosen is not None and any(abs(v - edge[chosen]) <= reach[chosen] for v in lam)
+        unsettled.append(surely != possibly or near)
+    return torch.tensor(unsettled)
+
+
+@interpreted
+@pytest.mark.parametrize("estimator", ["med", "olesen2023"])
+@pytest.mark.parametrize("m", [12, 48])
+def test_the_threshold_kernel_decides_as_the_edge_estimators_and_their_settling_test(estimator, m):
+    """``threshold_on_device`` against ``marchenko_pastur_threshold`` (ranks, noise variances) and against the
+    settling test's definition (``edge_decisions_within_reach``), with voxels fewer and more than m and
+    windows near their threshold; a rank the test calls settled survives every move of the eigenvalues
+    within delta tried (random, and all up or down, in random order of sizes)."""
+    from mppca_nipype.engine.estimators import marchenko_pastur_threshold
+    from mppca_nipype.engine.gpu.threshold import threshold_on_device
+
+    rng = np.random.default_rng(m + 1)
+    count = 200
+    n_voxels = rng.integers(m // 2, 4 * m, size=count)
+    x = rng.standard_normal((count, 4 * m, m)) * (rng.random((count, 1, m)) < 0.9)
+    x[:, :, -3:] *= rng.uniform(1, 8, size=(count, 1, 3))  # a few signal components, some near the edge
+    values = torch.from_numpy(np.linalg.eigvalsh(x.transpose(0, 2, 1) @ x))
+    voxels = torch.from_numpy(n_voxels)
+    rank, sigma2 = marchenko_pastur_threshold(values, voxels, m - 1, estimator)
+    delta = 0.002 * values[:, -1:] * torch.from_numpy(rng.random((count, 1)))
+    got_rank, got_sigma2, unsettled = threshold_on_device(values, voxels, m - 1, estimator, delta)
+    assert (got_rank == rank).all()
+    np.testing.assert_allclose(got_sigma2.numpy(), sigma2.numpy(), rtol=1e-12, atol=0)
+    expected = edge_decisions_within_reach(values, voxels, m - 1, estimator, delta)
+    assert (unsettled == expected).all() and 0 < int(expected.sum()) < count
+    for trial in range(40):
+        if trial < 2:
+            moved = values + (1 - 2 * trial) * delta
+        else:
+            moved = values + delta * torch.from_numpy(rng.uniform(-1, 1, size=values.shape))
+        moved_rank, _ = marchenko_pastur_threshold(moved.sort(dim=1).values, voxels, m - 1, estimator)
+        assert (moved_rank[~unsettled] == rank[~unsettled]).all()
+    assert not threshold_on_device(values, voxels, m - 1, estimator, torch.zeros(count))[2].any()
+    assert threshold_on_device(values, voxels, m - 1, estimator)[2] is None
+
+
 @interpreted
 @pytest.mark.parametrize("estimator", ["exp2", "exp1"])
 @pytest.mark.parametrize("m", [12, 48])
@@ -1284,6 +1354,35 @@ def test_the_threshold_kernel_decides_as_the_estimator_and_the_settling_test(est
     assert (unsettled == expected).all() and 0 < int(expected.sum()) < count
     assert not threshold_on_device(values, voxels, m - 1, estimator, torch.zeros(count))[2].any()
     assert threshold_on_device(values, voxels, m - 1, estimator)[2] is None
+
+
+@interpreted
+@pytest.mark.parametrize("path, aggregation, stride, demean, eigensolver, n_volumes, extent", [
+    ("fused", "weighted", 2, "volume", "tridiagonal", 14, 3), ("box", "weighted", 2, "voxel", "tridiagonal", 14, 3),
+    ("fused", "center", 1, "none", "auto", 14, 3), ("gather", "uniform", 3, "voxel", "xsyev", 14, 3),
+    ("gather", "weighted", 3, "volume", "auto", 70, 7)])
+@pytest.mark.parametrize("estimator", ["med", "olesen2023"])
+def test_the_edge_estimators_give_the_cpus_denoising(kernels, path, aggregation, stride, demean, eigensolver,
+                                                     n_volumes, extent, estimator):
+    """``estimator`` med and olesen2023 on every path and eigensolver (the float32 Gram with the tridiagonal
+    kernels, the box sums, the undemeaned patch's mean taken apart, XsyevBatched on gathered patches, and
+    eigenvalues refined at both ends on a long series), with a mask and non-finite voxels where the path
+    takes them: the CPU backend's denoising, noise and ranks."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((9, 8, 8) if n_volumes > 14 else (8, 6, 5), n_volumes=n_volumes, rank=3,
+                                sigma=5.0, seed=29)
+    mask = np.ones(noisy.shape[:3], bool)
+    if path != "box":  # (the box sums take every voxel finite)
+        mask[0, :2] = False
+        noisy[4, 3, 1, 5] = np.nan
+    data, mask, finite, plan, options = prepared(noisy, mask, extent=extent, stride=stride, estimator=estimator,
+                                                 aggregation=aggregation, demean=demean)
+    cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
+    gpu = denoise_gpu(data, finite, plan, options, device="cpu", path=path, eigensolver=eigensolver)
+    assert gpu.info["gram_path"] == path
+    assert gpu.info["eigenvalues_refined"] == (n_volumes > 64)
+    assert_same_denoising(cpu, gpu, mask)
 
 
 @interpreted

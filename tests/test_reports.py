@@ -111,10 +111,12 @@ def test_no_reports_writes_no_figure_and_no_page(demo, tmp_path):
 
 # ------------------------------------------------------------------------------------ what the figures say
 
-def test_sampled_spectra_make_the_runs_decision():
-    """In dwidenoise's mode a voxel's noise and rank are its own patch's: a sampled patch must agree."""
+@pytest.mark.parametrize("estimator", ["exp2", "med", "olesen2023"])
+def test_sampled_spectra_make_the_runs_decision(estimator):
+    """In dwidenoise's mode a voxel's noise and rank are its own patch's: a sampled patch must agree, and its
+    cut-off (the estimator's) must separate what it kept from what it dropped."""
     noisy, _ = low_rank_phantom((14, 13, 12), 30, rank=4, sigma=10.0, seed=3)
-    options = dict(extent=(5, 5, 5), stride=1, estimator="exp2", demean="none")
+    options = dict(extent=(5, 5, 5), stride=1, estimator=estimator, demean="none")
     result = denoise(noisy, aggregation="center", device="cpu", nprocs=1, **options)
     spectra = sample_spectra(noisy, n_sampled=60, **options)
     assert len(spectra) == 3 and spectra[0].rank <= spectra[1].rank <= spectra[2].rank
@@ -127,6 +129,8 @@ def test_sampled_spectra_make_the_runs_decision():
         assert noise.max() < spectrum.cutoff, "every noise eigenvalue is under the cut-off"
         if spectrum.rank:
             assert spectrum.eigenvalues[spectrum.rank - 1] > noise.max()
+        if estimator != "exp2":  # the edge estimators keep exactly what lies above their cut-off
+            assert spectrum.rank == 0 or spectrum.eigenvalues[spectrum.rank - 1] > spectrum.cutoff
 
 
 def test_the_marchenko_pastur_density_has_mass_one_and_mean_sigma2():

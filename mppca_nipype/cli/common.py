@@ -283,8 +283,9 @@ def add_denoising_options(parser, *, stride=None, stride_unset=False, groups=Fal
                              "on a grid of step S (at most the extent) plus one flush against each far edge, "
                              f"fewer patches and faster (default: {stride})")
     parser.add_argument("--estimator", choices=ESTIMATORS, default=DEFAULTS["estimator"],
-                        help="Marchenko-Pastur noise estimator: exp1 (Veraart 2016) or exp2 (Cordero-Grande "
-                             "2019, dwidenoise's default) (default: %(default)s)")
+                        help="Marchenko-Pastur noise estimator: exp2 (Cordero-Grande 2019, dwidenoise's "
+                             "default), exp1 (Veraart 2016), med (the median noise eigenvalue, Gavish & Donoho "
+                             "2014) or olesen2023 (Olesen et al. 2023) (docs/options.md) (default: %(default)s)")
     parser.add_argument("--aggregation", choices=AGGREGATIONS, default=DEFAULTS["aggregation"],
                         help="how overlapping patches combine: center takes each voxel from its own patch "
                              "(needs --stride 1; dwidenoise), weighted averages the covering patches with "

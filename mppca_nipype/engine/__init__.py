@@ -265,8 +265,9 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     stride : int
         1: every voxel is the centre of its own patch (dwidenoise). s > 1: patches on a grid of step s,
         plus one flush against each far edge.
-    estimator : {"exp2", "exp1"}
-        Marchenko-Pastur noise estimator (see ``estimators.marchenko_pastur_threshold``).
+    estimator : {"exp2", "exp1", "med", "olesen2023"}
+        Marchenko-Pastur noise estimator (see ``estimators.marchenko_pastur_threshold``; docs/options.md,
+        "Estimators").
     aggregation : {"weighted", "center", "uniform"}
         How overlapping patches combine: ``center`` takes each voxel from its own patch (needs stride 1;
         dwidenoise); ``weighted`` averages all covering patches with weight 1/(1 + P + demeaned);

@@ -12,21 +12,34 @@ estimation via matrix recovery under general noise models. NeuroImage 200:391-40
 doi:10.1016/j.neuroimage.2019.06.039
 Gavish M, Donoho DL. The optimal hard threshold for singular values is 4/sqrt(3). IEEE Transactions on
 Information Theory 60(8):5040-5053 (2014). doi:10.1109/TIT.2014.2323359
+Olesen JL, Ianus A, Ostergaard L, Shemesh N, Jespersen SN. Tensor denoising of multidimensional MRI data.
+Magnetic Resonance in Medicine 89(3):1160-1172 (2023). doi:10.1002/mrm.29478
 Gavish M, Donoho DL. Optimal shrinkage of singular values. IEEE Transactions on Information Theory
 63(4):2137-2152 (2017). doi:10.1109/TIT.2017.2653801
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from array_api_compat import array_namespace as compat_namespace
 import numpy as np
 
-ESTIMATORS = ("exp2", "exp1")
+ESTIMATORS = ("exp2", "exp1", "med", "olesen2023")
+#: The estimators that test the spread of the noise eigenvalues (lambda_{P+1} - lambda_r, MRtrix3's dwidenoise);
+#: the others test the largest noise eigenvalue against the Marchenko-Pastur upper edge of their noise level.
+SPREAD_ESTIMATORS = ("exp2", "exp1")
 AGGREGATIONS = ("center", "weighted", "uniform")
 DEMEANING = ("none", "voxel", "volume")
 FILTERS = ("hard", "optshrink", "optthresh")
+
+#: Newton steps of ``marchenko_pastur_median`` from its first guess: three already reached float64's rounding
+#: on a fine grid of beta in (0, 1]; the result is checked against quadrature in tests/test_estimators.py.
+MEDIAN_NEWTON_STEPS = 5
+#: theta of the beta = 1 law's median in ``marchenko_pastur_median``'s angle: the root of theta + sin(theta) =
+#: pi / 2. Newton's first guess runs from pi / 2 (beta -> 0) to it, linearly in sqrt(beta).
+MEDIAN_ANGLE_SQUARE = 0.8317111935797360
 
 #: NumPy's main namespace implements the array API from 2.1 on (``cumulative_sum`` came last).
 NUMPY_IS_ARRAY_API = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
@@ -43,7 +56,7 @@ def array_namespace(array):
 
 
 def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str = "exp2"):
-    """Number of signal components and noise variance of each patch, as MRtrix3's dwidenoise decides them.
+    """Number of signal components and noise variance of each patch, by one of the ``ESTIMATORS``.
 
     Parameters
     ----------
@@ -55,9 +68,10 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
         Voxels that took part in each patch.
     n_volumes : int or (B,) integer array
         Degrees of freedom along time: T, or T - 1 after removing each voxel's mean.
-    estimator : {"exp2", "exp1"}
+    estimator : {"exp2", "exp1", "med", "olesen2023"}
         ``exp1``: gamma = (r - P) / q (Veraart 2016); ``exp2``: gamma = (r - P) / (q - P)
-        (Cordero-Grande 2019, dwidenoise's default).
+        (Cordero-Grande 2019, dwidenoise's default); ``med``: the median noise eigenvalue (Gavish & Donoho
+        2014's estimate of sigma); ``olesen2023``: their sum over (r - P)(q - P) (Olesen et al. 2023).
 
     Returns
     -------
@@ -68,10 +82,11 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
 
     Notes
     -----
-    With lambda_i = s_i / q (s clamped at 0), q = max(n, T) and P signal components, the noise variance is
-    the mean of the r - P smallest lambda; P is noise-compatible when
-    ``(lambda_{P+1} - lambda_r) / (4 sqrt(gamma(P))) < sigma^2(P)``; the estimate is the smallest such P.
-    Computed in the precision of ``eigenvalues`` (use float64: dwidenoise accumulates in double).
+    With lambda_i = s_i / q (s clamped at 0, descending), r = min(n, T), q = max(n, T) and P signal
+    components, the r - P smallest lambda are the noise's. ``exp1``/``exp2``: sigma^2(P) is their mean; P is
+    noise-compatible when ``(lambda_{P+1} - lambda_r) / (4 sqrt(gamma(P))) < sigma^2(P)``; the estimate is the
+    smallest such P (dwidenoise's rule). ``med`` and ``olesen2023``: see ``_edge_threshold``. Computed in the
+    precision of ``eigenvalues`` (use float64: dwidenoise accumulates in double).
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
@@ -88,6 +103,8 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
     lam = xp.where(usable, xp.clip(eigenvalues, min=0) / q, xp.zeros_like(eigenvalues))
     # k: the number of noise components if this eigenvalue is the largest of them
     k = xp.where(usable, index - first_usable + 1, xp.ones_like(eigenvalues))
+    if estimator not in SPREAD_ESTIMATORS:
+        return _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator)
     lam_r = xp.min(xp.where(usable, lam, xp.full_like(lam, float("inf"))), axis=1, keepdims=True)
     gamma = k / q if estimator == "exp1" else k / (q - (r - k))
     sigma2_k = xp.cumulative_sum(lam, axis=1) / k
@@ -103,6 +120,72 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
                       xp.zeros_like(r[:, 0]))
     rank = xp.astype(r[:, 0] - n_noise, xp.int64)
     return rank, sigma2
+
+
+def _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator):
+    """(rank, sigma2) by ``med`` or ``olesen2023``; the arrays as ``marchenko_pastur_threshold`` builds them.
+
+    For P = 0 .. r - 1 signal components, the r - P smallest lambda are taken as the eigenvalues of an
+    (r - P) x (q - P) noise matrix (the degrees of freedom left once P components are fitted: Cordero-Grande
+    2019, Olesen et al. 2023), whose lambda = s / q have mean sigma^2 (q - P) / q and median
+    sigma^2 (q - P) / q * mu(beta_P), beta_P = (r - P) / (q - P) (``marchenko_pastur_median``):
+
+    - ``olesen2023``: sigma^2(P) = q / (q - P) * mean(lambda_{P+1..r}) = sum(s_{P+1..r}) / ((r - P)(q - P));
+    - ``med``: sigma^2(P) = q / (q - P) * median(lambda_{P+1..r}) / mu(beta_P) (the median of an even count
+      the mean of the middle two); at P = 0, Gavish & Donoho's median estimate of sigma.
+
+    P is noise-compatible when the largest of those, lambda_{P+1}, lies below the Marchenko-Pastur upper edge
+    of the whole patch, sigma^2(P) (1 + sqrt(r / q))^2; P_hat is the smallest such P, sigma^2 = sigma^2(P_hat),
+    and the rank is the number of lambda_i above that edge at sigma^2 (``given_noise_threshold``'s rule), at
+    most P_hat. No noise-compatible P: rank r, sigma^2 = 0.
+    """
+    dtype = lam.dtype
+    m = lam.shape[-1]
+    n_signal = r - k  # P, if this eigenvalue is the largest noise one
+    if estimator == "olesen2023":
+        bulk = xp.cumulative_sum(lam, axis=1) / k
+        scale = q / (q - n_signal)
+    else:  # the median of the k smallest usable lambda: at first + floor((k - 1) / 2) and first + floor(k / 2)
+        low, high = (xp.astype(xp.clip(first_usable + xp.floor(half), min=0, max=m - 1), xp.int64)
+                     for half in ((k - 1) / 2, k / 2))
+        bulk = 0.5 * (xp.take_along_axis(lam, low, axis=1) + xp.take_along_axis(lam, high, axis=1))
+        scale = q / ((q - n_signal) * marchenko_pastur_median(k / (q - n_signal)))
+    sigma2_k = bulk * scale
+    edge_factor = (1.0 + xp.sqrt(r / q)) ** 2
+    noise_compatible = usable & (lam < sigma2_k * edge_factor)
+
+    any_compatible = xp.any(noise_compatible, axis=1)
+    last = (m - 1) - xp.argmax(xp.astype(xp.flip(noise_compatible, axis=1), xp.int32), axis=1)
+    chosen = index == xp.astype(last, dtype)[:, None]
+    sigma2 = xp.where(any_compatible, xp.sum(xp.where(chosen, sigma2_k, xp.zeros_like(lam)), axis=1),
+                      xp.zeros_like(r[:, 0]))
+    above = usable & (lam > sigma2[:, None] * edge_factor)
+    rank = xp.where(any_compatible, xp.sum(xp.astype(above, xp.int64), axis=1), xp.astype(r[:, 0], xp.int64))
+    return rank, sigma2
+
+
+def marchenko_pastur_median(beta):
+    """mu(beta): the median of the Marchenko-Pastur law of ratio beta in (0, 1] and unit variance.
+
+    The law's density is sqrt((b - x)(x - a)) / (2 pi beta x) on [a, b] = [(1 - sqrt(beta))^2,
+    (1 + sqrt(beta))^2]; Gavish & Donoho (2014) tabulate its median mu_beta (0.6528 for beta = 1, -> 1 as
+    beta -> 0). With x = 1 + beta - 2 sqrt(beta) cos(theta), theta in [0, pi], its distribution function is
+
+        F(theta) = (theta + sin(theta) / sqrt(beta) - (1 - beta) / beta * chi(theta)) / pi,
+        chi(theta) = atan2(sqrt(beta) sin(theta), 1 - sqrt(beta) cos(theta)),
+
+    with F'(theta) = 2 sin(theta)^2 / (pi x); ``MEDIAN_NEWTON_STEPS`` Newton steps solve F = 1/2. Any shape
+    (the array API: NumPy, torch)."""
+    xp = array_namespace(beta)
+    s = xp.sqrt(beta)
+    theta = math.pi / 2 - (math.pi / 2 - MEDIAN_ANGLE_SQUARE) * s
+    for _ in range(MEDIAN_NEWTON_STEPS):
+        cos, sin = xp.cos(theta), xp.sin(theta)
+        x = 1.0 + beta - 2.0 * s * cos
+        chi = xp.atan2(s * sin, 1.0 - s * cos)
+        below = (theta + sin / s - (1.0 - beta) / beta * chi) / math.pi
+        theta = theta - (below - 0.5) * math.pi * x / (2.0 * sin * sin)
+    return 1.0 + beta - 2.0 * s * xp.cos(theta)
 
 
 def given_noise_threshold(eigenvalues, n_voxels, n_volumes, sigma2):

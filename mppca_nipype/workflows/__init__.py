@@ -36,6 +36,18 @@ COMPLEX_REFERENCES = """\
   averaging and increased diffusion contrast. NeuroImage 122:373-384. doi:10.1016/j.neuroimage.2015.07.074
 """
 
+#: Cited for the estimators beyond dwidenoise's.
+ESTIMATOR_REFERENCES = {
+    "med": """\
+- Gavish M, Donoho DL (2014). The optimal hard threshold for singular values is 4/sqrt(3). IEEE Trans Inf
+  Theory 60(8):5040-5053. doi:10.1109/TIT.2014.2323359
+""",
+    "olesen2023": """\
+- Olesen JL, Ianus A, Ostergaard L, Shemesh N, Jespersen SN (2023). Tensor denoising of multidimensional MRI
+  data. Magn Reson Med 89(3):1160-1172. doi:10.1002/mrm.29478
+""",
+}
+
 #: Cited when a filter other than ``hard`` is used.
 FILTER_REFERENCES = {
     "optshrink": """\
@@ -90,10 +102,19 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
                  "volume": " after removing the patch's mean time course",
                  "shells": " after removing each voxel's mean over the volumes of each b-value shell",
                  "groups": " after removing each voxel's mean over the volumes of each group"}.get(demean, "")
-    if noise_in is None:
+    if noise_in is None and estimator == "med":
+        split = ("split into signal and noise by the Marchenko-Pastur law: the noise level from the median of "
+                 "the noise eigenvalues matched to the median of the Marchenko-Pastur distribution "
+                 "([@gavish2014]), the signal components those above the distribution's upper edge")
+    elif noise_in is None and estimator == "olesen2023":
+        split = ("split into signal and noise by the Marchenko-Pastur law: the noise level from the sum of the "
+                 "noise eigenvalues over the degrees of freedom the signal components leave, the signal "
+                 "components those above the distribution's upper edge ([@olesen2023])")
+    elif noise_in is None:
         split = (f"split into signal and noise by the Marchenko-Pastur law, with the noise level and number of "
                  f"signal components estimated as in MRtrix3's dwidenoise (estimator '{estimator}', "
                  f"[@cordero2019])")
+    if noise_in is None:
         maps = "the estimated noise standard deviation"
     else:
         given = ("a noise map given for each series (the mean of sigma^2 over the patch)" if noise_in == "maps"
@@ -268,7 +289,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_in,
                                      noise_floor=noise_floor, coils=coils, filter=filter, phase_method=phase_method)
-    workflow.__postdesc__ = references_text(noise_floor, filter, complex_data=phase_method is not None)
+    workflow.__postdesc__ = references_text(noise_floor, filter, estimator, complex_data=phase_method is not None)
     inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in", "phase_file",
                                                   "echo_files"]), name="inputnode")
     outputnode = pe.Node(IdentityInterface(fields=["denoised", "noise", "rank", "phase", "provenance",
@@ -359,7 +380,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
                                      noise_floor=floor, coils=coils, what=what, filter=filter,
                                      phase_method=phase_method if pairs else None,
                                      echoes=any(run.echoes for run in todo))
-    workflow.__postdesc__ = references_text(floor, filter, complex_data=pairs)
+    workflow.__postdesc__ = references_text(floor, filter, estimator, complex_data=pairs)
     for run in todo:
         run_maps = maps if run.phase is None else ()  # (a magnitude/phase pair: denoise_complex, no extra maps)
         shape = _series_shape(run.path)
@@ -450,10 +471,12 @@ def _series_shape(path):
     return tuple(shape) if len(shape) == 4 else None
 
 
-def references_text(noise_floor="none", filter="hard", complex_data=False) -> str:  # noqa: A002
+def references_text(noise_floor="none", filter="hard", estimator=DEFAULTS["estimator"],  # noqa: A002
+                    complex_data=False) -> str:
     """The references section of a workflow's methods text."""
+    cited = [ESTIMATOR_REFERENCES.get(estimator, ""), FILTER_REFERENCES.get(filter, "")]
     return ("\n### References\n\n" + REFERENCES + (NOISE_FLOOR_REFERENCES if noise_floor != "none" else "")
-            + (COMPLEX_REFERENCES if complex_data else "") + FILTER_REFERENCES.get(filter, ""))
+            + (COMPLEX_REFERENCES if complex_data else "") + "".join(dict.fromkeys(cited)))
 
 
 def citation_text(workflow) -> str:
@@ -461,6 +484,7 @@ def citation_text(workflow) -> str:
     return ("# Methods\n\n" + workflow.__desc__.replace("[@veraart2016]", "Veraart et al., 2016")
             .replace("[@cordero2019]", "Cordero-Grande et al., 2019").replace("[@koay2006]", "Koay and Basser, 2006")
             .replace("[@foi2011]", "Foi, 2011").replace("[@eichner2015]", "Eichner et al., 2015")
+            .replace("[@gavish2014]", "Gavish and Donoho, 2014").replace("[@olesen2023]", "Olesen et al., 2023")
             + workflow.__postdesc__)
 
 

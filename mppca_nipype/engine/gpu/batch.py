@@ -150,7 +150,10 @@ class SlabWindows:
         # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
         usable_voxels = n_took_part - 1 if run.demean == "volume" else n_took_part
         usable_volumes = n_volumes - int(run.demean == "voxel")
-        delta = (rounding_uncertainty(values, threshold.REFINED_SETTLE_SLACK if refine else run.settle_slack, scale)
+        # refined eigenvalues settle with their own small slack where the decision reads the spectrum's ends
+        refined = refine and (run.noise_variance is not None
+                              or run.options.estimator in threshold.REFINED_ESTIMATORS)
+        delta = (rounding_uncertainty(values, threshold.REFINED_SETTLE_SLACK if refined else run.settle_slack, scale)
                  if settle else None)
         patch_rank, sigma2, unsettled = threshold_on_device(values, usable_voxels, usable_volumes,
                                                             run.options.estimator, delta,

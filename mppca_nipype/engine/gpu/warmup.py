@@ -9,7 +9,7 @@ options:
   ``tridiagonal``, ``threshold``); n comes from the extent, which "wide" and "auto" derive from T;
 - the demeaning (``DEMEAN``), the Gram precision (``FP64``: a float32 first pass, its float64 settling pass),
   a counted launch (``COUNTED``: the settling pass chosen on the device), the rank-one term of an undemeaned
-  float32 run (``RANK_ONE``), the estimator (``EXP1``) and the settling test (``SETTLE``);
+  float32 run (``RANK_ONE``), the estimator (``ESTIMATOR``) and the settling test (``SETTLE``);
 - the path, from T (in a float32 first pass): up to 64 the tridiagonal kernels, up to 128 the fused kernels
   with XsyevBatched (no Triton kernel in the eigen step), beyond gathered patches and cuBLAS;
 - for the box sums (voxel demeaning on a full grid) also the image's y and z sizes, which a warm-up cannot
