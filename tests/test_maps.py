@@ -25,7 +25,7 @@ def lambda_plus_reference(data, mask, *, extent, stride, aggregation, demean, es
     """(X, Y, Z) float64: each patch's lambda_+ = sigma^2 (1 + sqrt(gamma))^2 at its P_hat, one patch at a time,
     aggregated as the noise map is (its centre's own patch, or the mean weighted by 1 / (1 + P + demeaned) or
     by 1), 0 outside the mask and at non-finite voxels. gamma = (r - P) / q (exp1), (r - P) / (q - P) (exp2),
-    or r / q for a given noise level (one number)."""
+    or r / q (med, olesen2023, and a given noise level: one number)."""
     shape3, n_volumes = data.shape[:3], data.shape[3]
     finite = np.isfinite(data).all(axis=3)
     extent = reference_extent(extent, shape3, n_volumes)
@@ -41,7 +41,10 @@ def lambda_plus_reference(data, mask, *, extent, stride, aggregation, demean, es
         r, q = min(n, T), max(n, T)
         if noise is None:
             P, sigma2 = mp_threshold(eigenvalues, n, T, estimator)
-            gamma = (r - P) / q if estimator == "exp1" else ((r - P) / (q - P) if q > P else 0.0)
+            if estimator in ("med", "olesen2023"):  # their test: the whole patch's upper edge
+                gamma = r / q
+            else:
+                gamma = (r - P) / q if estimator == "exp1" else ((r - P) / (q - P) if q > P else 0.0)
         else:
             sigma2 = float(noise) ** 2
             P, gamma = given_noise_rank(eigenvalues, n, T, sigma2), r / q
@@ -68,7 +71,8 @@ def awkward_phantom(shape, n_volumes, seed):
 
 
 @pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("uniform", 3), ("center", 1)])
-@pytest.mark.parametrize("demean, estimator", [("none", "exp1"), ("voxel", "exp2"), ("volume", "exp2")])
+@pytest.mark.parametrize("demean, estimator", [("none", "exp1"), ("voxel", "exp2"), ("volume", "exp2"),
+                                               ("volume", "med"), ("voxel", "olesen2023")])
 def test_lambda_plus_is_each_patchs_edge_aggregated_as_sigma(aggregation, stride, demean, estimator):
     noisy, mask = awkward_phantom((7, 6, 5), 13, seed=stride)
     options = dict(extent=(3, 5, 3), stride=stride, aggregation=aggregation, demean=demean, estimator=estimator)

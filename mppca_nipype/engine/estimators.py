@@ -239,7 +239,7 @@ def marchenko_pastur_edge(sigma2, rank, n_voxels, n_volumes, estimator: str | No
         P, the number of signal components the threshold chose (before any filter).
     n_voxels, n_volumes
         The degrees of freedom on each side, as ``marchenko_pastur_threshold`` takes them.
-    estimator : {"exp2", "exp1"} or None
+    estimator : one of ESTIMATORS, or None
         The estimator that chose P, or None for a given noise level.
 
     Returns
@@ -247,8 +247,9 @@ def marchenko_pastur_edge(sigma2, rank, n_voxels, n_volumes, estimator: str | No
     (B,) array
         lambda_+ = sigma^2 (1 + sqrt(gamma))^2 (the Marchenko-Pastur law's upper edge; Veraart 2016), in
         the units of lambda_i = s_i / q: the data's variance. gamma is the threshold's own: (r - P) / q for ``exp1``
-        (Veraart 2016), (r - P) / (q - P) for ``exp2`` (Cordero-Grande 2019), r / q for a given level
-        (``given_noise_threshold``); q = max(n, T), r = min(n, T).
+        (Veraart 2016), (r - P) / (q - P) for ``exp2`` (Cordero-Grande 2019), r / q for ``med`` and
+        ``olesen2023`` (their test is the whole patch's edge) and for a given level (``given_noise_threshold``);
+        q = max(n, T), r = min(n, T).
     """
     xp = array_namespace(sigma2)
     dtype = sigma2.dtype
@@ -256,7 +257,7 @@ def marchenko_pastur_edge(sigma2, rank, n_voxels, n_volumes, estimator: str | No
     r = xp.astype(xp.minimum(n_voxels, n_volumes), dtype)
     q = xp.astype(xp.maximum(n_voxels, n_volumes), dtype)
     p = xp.astype(rank, dtype)
-    if estimator is None:
+    if estimator is None or estimator not in SPREAD_ESTIMATORS:
         gamma = r / q
     elif estimator == "exp1":
         gamma = (r - p) / q
