@@ -71,6 +71,20 @@ def test_the_hann_filter_recovers_a_smooth_phase_on_a_noiseless_phantom():
     assert np.percentile(error, 99) < 0.32
 
 
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_the_host_steps_give_the_same_numbers_on_any_number_of_threads(order):
+    """The background phase (volumes on threads) and the elementwise steps (slabs on threads) are
+    bit-identical for any number of threads, in either memory order."""
+    magnitude, phase = (np.asarray(a, order=order) for a in complex_dwi_phantom((18, 15, 9), 16, sigma=80.0,
+                                                                               seed=8)[:2])
+    image = magnitude * np.exp(1j * phase)
+    np.testing.assert_array_equal(background_phase(image, threads=3), background_phase(image, threads=1))
+    one = denoise_complex(magnitude, phase, device="cpu", nprocs=1)
+    three = denoise_complex(magnitude, phase, device="cpu", nprocs=3)
+    for name in ("denoised", "phase", "sigma", "rank"):
+        np.testing.assert_array_equal(getattr(three, name), getattr(one, name))
+
+
 def test_the_demodulated_imaginary_part_is_noise_of_sigma():
     sigma = 100.0
     magnitude, phase, _, _, _, _ = complex_dwi_phantom(SHAPE, VOLUMES, sigma=sigma)

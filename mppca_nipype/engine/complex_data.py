@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from .errors import MPPCAInputError
+from .layout import in_parts, is_volume_major
 
 #: The methods that estimate the background phase (``denoise_complex``): ``hann``, the Hann filter of the noisy
 #: complex image (``background_phase``); ``mppca``, the Hann filter of the complex image first denoised by
@@ -125,7 +126,7 @@ def hann_window(size: int, width: float):
     return np.where(np.abs(k) < half, 0.5 + 0.5 * np.cos(np.pi * k / half), 0.0)
 
 
-def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES):
+def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES, threads=None):
     """The smooth background phase of a complex series (X, Y, Z, T), per slice (z) and volume, in radians.
 
     Each in-plane image multiplied in k-space by a separable 2D Hann window that keeps the central
@@ -133,7 +134,8 @@ def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES):
     filtered image. Each further pass filters the image demodulated by the phase so far and adds the angle of
     what is left: the residual phase is small and nearly flat, so the filter's averaging over a region where
     the magnitude changes (an edge of the head) no longer pulls it towards the bright side. Returns float32 of
-    the same shape, wrapped to [-pi, pi).
+    the same shape, wrapped to [-pi, pi). The volumes are spread over ``threads`` threads (None: the CPUs this
+    process may use; ``layout.in_parts``), each volume's arithmetic the same on any number.
     """
     if isinstance(width, bool) or not (isinstance(width, (float, int, np.floating)) and 0 < width <= 1):
         raise MPPCAInputError(f"phase_width must be a number in (0, 1], not {width!r}")
@@ -141,13 +143,27 @@ def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES):
 
     window = (hann_window(image.shape[0], width)[:, None] * hann_window(image.shape[1], width)[None, :])
     phase = np.zeros(image.shape, np.float32)
-    for t in range(image.shape[3]):  # a volume at a time bounds the complex temporaries
-        volume = image[..., t]
-        for _ in range(passes):
-            spectrum = fft.fft2(volume * np.exp(-1j * phase[..., t]), axes=(0, 1), workers=-1)
-            spectrum *= window[:, :, None]
-            phase[..., t] += np.angle(fft.ifft2(spectrum, axes=(0, 1), workers=-1)).astype(np.float32)
-    return (np.mod(phase + np.pi, 2 * np.pi) - np.pi).astype(np.float32)
+
+    def volumes(ts):  # a volume at a time bounds the complex temporaries
+        for t in range(ts.start, ts.stop):
+            volume, phi = image[..., t], phase[..., t]
+            for _ in range(passes):
+                spectrum = fft.fft2(volume * np.exp(-1j * phi), axes=(0, 1), workers=1)
+                spectrum *= window[:, :, None]
+                phi += np.angle(fft.ifft2(spectrum, axes=(0, 1), workers=1)).astype(np.float32)
+            phi[...] = np.mod(phi + np.pi, 2 * np.pi) - np.pi
+
+    in_parts(volumes, image.shape[3], image.size, threads)
+    return phase
+
+
+def _by_slabs(work, series, threads):
+    """``work(index)`` over slabs of the (X, Y, Z, T) ``series`` along its slowest axis in memory (x, or t for a
+    volume-major series), on ``threads`` threads: elementwise steps over the whole series."""
+    if is_volume_major(series):
+        in_parts(lambda ts: work((Ellipsis, ts)), series.shape[3], series.size, threads)
+    else:
+        in_parts(lambda xs: work((xs,)), series.shape[0], series.size, threads)
 
 
 def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", phase_width=PHASE_WIDTH,
@@ -206,6 +222,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         raise MPPCAInputError(f"phase_method must be one of {', '.join(PHASE_METHODS)}, not {phase_method!r}")
     if magnitude_out not in MAGNITUDES:
         raise MPPCAInputError(f"magnitude_out must be one of {', '.join(MAGNITUDES)}, not {magnitude_out!r}")
+    threads = nprocs  # the host's elementwise steps and FFTs (None: the CPUs this process may use)
     if np.iscomplexobj(magnitude):
         if phase is not None:
             raise MPPCAInputError("a complex series carries its own phase; give it without a phase")
@@ -225,20 +242,32 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
             raise MPPCAInputError(f"the magnitude has {negative} negative values; with a phase it must be the "
                                   "modulus of the complex image")
         finite = np.isfinite(magnitude)
-        image = np.where(finite, magnitude, 0).astype(np.complex64) * np.exp(1j * radians).astype(np.complex64)
+        image = np.empty(magnitude.shape, np.complex64, order="F" if is_volume_major(magnitude) else "C")
+
+        def modulate(s):
+            image[s] = np.where(finite[s], magnitude[s], 0).astype(np.complex64) * np.exp(
+                1j * radians[s]).astype(np.complex64)
+
+        _by_slabs(modulate, image, threads)
     run_options = dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory, progress=progress)
     if phase_method == "mppca":
         first = denoise(np.concatenate([image.real, image.imag], axis=3), mask, **options, **run_options).denoised
         n_volumes = magnitude.shape[3]
         background = background_phase(first[..., :n_volumes] + 1j * first[..., n_volumes:], width=phase_width,
-                                      passes=phase_passes)
+                                      passes=phase_passes, threads=threads)
         del first
         lap("first pass")
     else:
-        background = background_phase(image, width=phase_width, passes=phase_passes)
-    image *= np.exp(-1j * background).astype(np.complex64)
-    real = np.where(finite, image.real, magnitude)  # NaN/Inf stay where the engine expects them
-    imaginary = image.imag
+        background = background_phase(image, width=phase_width, passes=phase_passes, threads=threads)
+    real, imaginary = (np.empty(image.shape, np.float32, order="F" if is_volume_major(image) else "C")
+                       for _ in range(2))
+
+    def demodulate(s):
+        demodulated = image[s] * np.exp(-1j * background[s]).astype(np.complex64)
+        real[s] = np.where(finite[s], demodulated.real, magnitude[s])  # NaN/Inf stay where the engine expects them
+        imaginary[s] = demodulated.imag
+
+    _by_slabs(demodulate, image, threads)
     del image
     lap("demodulation")
     result = denoise(real, mask, **options, noise=noise, **run_options)
@@ -251,10 +280,16 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         rms = np.sqrt(np.mean(np.square(imaginary[served], dtype=np.float64), axis=1))
         ratio = float(np.median(rms / result.sigma[served]))
     del imaginary
-    out_phase = np.where(denoised >= 0, background, background + np.float32(math.pi))
-    out_phase = (np.mod(out_phase + math.pi, 2 * math.pi) - math.pi).astype(np.float32)
+    out_phase = background  # (its own: turned in place)
+    magnitude_denoised = np.empty_like(denoised)
+
+    def remodulate(s):
+        turned = np.where(denoised[s] >= 0, background[s], background[s] + np.float32(math.pi))
+        out_phase[s] = np.mod(turned + math.pi, 2 * math.pi) - math.pi
+        magnitude_denoised[s] = np.abs(denoised[s]) if magnitude_out == "abs" else np.maximum(denoised[s], 0)
+
+    _by_slabs(remodulate, denoised, threads)
     out_phase[~mask] = 0
-    magnitude_denoised = np.abs(denoised) if magnitude_out == "abs" else np.maximum(denoised, 0)
     lap("remodulation")
     info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width),
                 phase_passes=int(phase_passes), phase_units=units,

@@ -84,7 +84,7 @@ def rows_of_planes(data: np.ndarray, planes: slice, out: np.ndarray, threads: in
         if z_planes is not None:
             np.copyto(out4[:, :, z_planes], selected[:, :, z_planes])
         else:
-            _in_parts(lambda xs: np.copyto(out4[xs], selected[xs]), out4.shape[0], out4.size, threads)
+            in_parts(lambda xs: np.copyto(out4[xs], selected[xs]), out4.shape[0], out4.size, threads)
         return out
     source = selected.transpose(3, 2, 1, 0)  # (T, Z, Y, planes): contiguous runs along x
 
@@ -97,7 +97,7 @@ def rows_of_planes(data: np.ndarray, planes: slice, out: np.ndarray, threads: in
     if z_planes is not None:
         copy_z(slice(*z_planes.indices(out4.shape[2])[:2]))
     else:
-        _in_parts(copy_z, out4.shape[2], out4.size, threads)
+        in_parts(copy_z, out4.shape[2], out4.size, threads)
     return out
 
 
@@ -117,7 +117,7 @@ def planes_of_rows(rows: np.ndarray, out: np.ndarray, planes: slice = slice(None
             else:
                 np.divide(rows4[xs], scale[xs], out=target[xs], casting="unsafe")
 
-        _in_parts(copy_x, target.shape[0], target.size, threads)
+        in_parts(copy_x, target.shape[0], target.size, threads)
         return out
     destination = target.transpose(3, 2, 1, 0)  # (T, Z, Y, planes)
 
@@ -132,14 +132,15 @@ def planes_of_rows(rows: np.ndarray, out: np.ndarray, planes: slice = slice(None
                 else:
                     np.divide(values, scale[:, :, z], out=into, casting="unsafe")
 
-    _in_parts(copy_z, rows4.shape[2], rows4.size, threads)
+    in_parts(copy_z, rows4.shape[2], rows4.size, threads)
     return out
 
 
-def _in_parts(work, n_planes: int, n_values: int, threads: int | None):
-    """``work(slice of planes)`` over ``n_planes`` planes (z-planes, or x-planes of voxel-major data), split
-    among threads (NumPy's copies release the GIL): at most ``COPY_THREADS``, the CPUs this process may use,
-    and one per ``COPY_MIN_VALUES``."""
+def in_parts(work, n_planes: int, n_values: int, threads: int | None = None):
+    """``work(slice of planes)`` over ``n_planes`` planes (z-planes, or x-planes of voxel-major data; any
+    independent pieces of work), split among threads (NumPy's copies, ufuncs, FFTs and interpolation release
+    the GIL): at most ``COPY_THREADS``, ``threads`` or else the CPUs this process may use and one per
+    ``COPY_MIN_VALUES`` of the ``n_values`` the work touches."""
     global _pool
     if threads is None:
         threads = min(COPY_THREADS, available_cpus(), max(1, n_values // COPY_MIN_VALUES))

@@ -19,7 +19,6 @@ doi:10.1109/ISBI.2011.5872758
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 import math
@@ -29,6 +28,7 @@ import numpy as np
 
 from .backend import available_cpus
 from .errors import MPPCAInputError
+from .layout import in_parts
 
 #: The noise-floor models: ``none`` (data taken as signal plus Gaussian noise: dwidenoise's model), ``rician``
 #: (a magnitude image of one complex channel), ``ncchi`` (a root-sum-of-squares magnitude of ``coils`` channels).
@@ -191,31 +191,20 @@ def _piecewise(means, slopes, coils, thetas) -> MagnitudeStabilizer:
     return MagnitudeStabilizer(coils, means, values, thetas, thetas)
 
 
-def _in_chunks(function, values, out, threads: int = 1):
+def _in_chunks(function, values, out, threads: int | None = 1):
     """``out[...] = function(values)`` a CHUNK of values at a time, in the arrays' own memory order (both
-    contiguous, in the same order), the chunks spread over ``threads`` threads (NumPy's interpolation and
-    arithmetic run without Python's lock, so they run side by side)."""
+    contiguous, in the same order), the chunks spread over ``threads`` threads (``layout.in_parts``)."""
     order = "F" if values.flags.f_contiguous and not values.flags.c_contiguous else "C"
     flat_in, flat_out = values.reshape(-1, order=order), out.reshape(-1, order=order)
     if not np.shares_memory(flat_out, out):
         raise ValueError("the output of a chunked transform must be contiguous")
 
-    def chunk(start):
-        flat_out[start:start + CHUNK] = function(flat_in[start:start + CHUNK])
+    def chunks(numbers):
+        for start in range(numbers.start * CHUNK, min(numbers.stop * CHUNK, flat_in.size), CHUNK):
+            flat_out[start:start + CHUNK] = function(flat_in[start:start + CHUNK])
 
-    _on_threads(chunk, range(0, flat_in.size, CHUNK), threads)
+    in_parts(chunks, -(-flat_in.size // CHUNK), flat_in.size, threads)
     return out
-
-
-def _on_threads(work, items, threads: int):
-    """``work(item)`` for every item, on up to ``threads`` threads; the first error is raised."""
-    items = list(items)
-    if threads <= 1 or len(items) <= 1:
-        for item in items:
-            work(item)
-        return
-    with ThreadPoolExecutor(min(threads, len(items))) as pool:
-        list(pool.map(work, items))
 
 
 #: Bisection steps of ``noise_level_from_magnitude``: the bracket [sigma_mp, sigma_mp / s(0)] (a ratio under
@@ -239,11 +228,12 @@ def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int, thre
     sigma = np.zeros(sigma_mp.shape)
     planes = max(1, CHUNK // max(1, math.prod(mean_magnitude.shape[1:])))
 
-    def slab(start):
-        x = slice(start, start + planes)
-        sigma[x] = _bisected_noise_level(sigma_mp[x], mean_magnitude[x], means, variances)
+    def slabs(numbers):
+        for start in range(numbers.start * planes, min(numbers.stop * planes, sigma_mp.shape[0]), planes):
+            x = slice(start, start + planes)
+            sigma[x] = _bisected_noise_level(sigma_mp[x], mean_magnitude[x], means, variances)
 
-    _on_threads(slab, range(0, sigma_mp.shape[0], planes), threads)
+    in_parts(slabs, -(-sigma_mp.shape[0] // planes), mean_magnitude.size, threads)
     return sigma
 
 
