@@ -24,12 +24,14 @@ Usage (from the repository root, on a machine with a CUDA GPU)::
     python benchmarks/gpu_options.py
     python benchmarks/gpu_options.py --cpu --shape 48,48,30 --threads 16
 
-Writes JSON to ``--out`` (default benchmarks/results/gpu_options.json) and the Markdown table next to it.
+Writes JSON to ``--out`` (default benchmarks/results/gpu_options.json) and the Markdown table next to it
+after every option, so that a run stopped from outside keeps the options it finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from pathlib import Path
 import sys
 import time
@@ -82,7 +84,7 @@ def best_seconds(call, repeats):
     return min(times), times, result
 
 
-def measure(args) -> dict:
+def measure(args, save=lambda result: None) -> dict:
     sigma = 1000.0 / args.snr
     magnitude, phase, truth, _, _, _ = complex_dwi_phantom(args.shape, args.volumes, sigma=sigma, seed=0)
     head = truth[..., 0] > 0
@@ -102,9 +104,15 @@ def measure(args) -> dict:
                                         / np.sqrt(np.mean(cpu.denoised[head].astype(np.float64) ** 2)))
             row["ranks_equal"] = float(np.mean(np.abs(gpu.rank - cpu.rank)[head] < 0.5))
         rows.append(row)
+        save(summary(args, sigma, rows))  # kept if the run is stopped from outside
         print(f"gpu_options: {name:12s} GPU {best:.3f} s ({row['device']})" + (
             f" CPU {row['cpu_seconds']:.2f} s rel. rms {row['relative_rms']:.1e} ranks equal "
             f"{100 * row['ranks_equal']:.2f}%" if args.cpu else ""), file=sys.stderr)
+    return summary(args, sigma, rows)
+
+
+def summary(args, sigma, rows) -> dict:
+    """The result's fields: the settings and the rows, each with its ratio to the magnitude-only run's."""
     base = next((row["gpu_seconds"] for row in rows if row["option"] == "magnitude"), None)
     for row in rows:
         row["ratio_to_magnitude"] = None if base is None else row["gpu_seconds"] / base
@@ -144,10 +152,14 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown options {unknown}; choose from {list(OPTIONS)}")
     run = harness.stamp()
-    result = dict(stamp=run, **measure(args))
-    table = markdown(result)
-    harness.write_result(args.out, result, markdown=harness.stamp_markdown(run) + "\n\n" + table)
-    print(table)
+
+    def save(fields, final=False):  # (a stamp that is not final ends at this save: a copy is finished)
+        stamp = run if final else copy.deepcopy(run)
+        result = dict(stamp=stamp, **fields)
+        harness.write_result(args.out, result, markdown=harness.stamp_markdown(stamp) + "\n\n" + markdown(result))
+        return result
+
+    print(markdown(save(measure(args, save), final=True)))
 
 
 if __name__ == "__main__":
