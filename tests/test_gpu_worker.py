@@ -47,7 +47,8 @@ def test_the_worker_returns_what_the_engine_computes_here(served, order, monkeyp
     from mppca_nipype import gpu_worker
 
     seen, block = [], gpu_worker._block  # every block this process makes or opens: inputs and results
-    monkeypatch.setattr(gpu_worker, "_block", lambda *args, **kwargs: seen.append(block(*args, **kwargs)) or seen[-1])
+    monkeypatch.setattr(gpu_worker, "_block",
+                        lambda *args, **kwargs: seen.append(block(*args, **kwargs)) or seen[-1])
     remote = denoise_remote(noisy, mask, options)
     here = denoise(noisy, mask, **options, device="cpu")
     for name in ("denoised", "sigma", "rank"):
@@ -111,7 +112,8 @@ def test_an_out_of_memory_error_keeps_its_reason_on_the_way(monkeypatch):
         reply = serve_one(dict(data=data, mask=None, phase=None, parameters={}, gpu_memory=None), "cpu")
     error = pickle.loads(pickle.dumps(reply["error"]))
     assert isinstance(error, GPUOutOfMemoryError)
-    assert error.fallback_note == "the GPU ran out of memory even in batches of a few windows; running on the CPU instead"
+    assert error.fallback_note == ("the GPU ran out of memory even in batches of a few windows; running on the "
+                                   "CPU instead")
 
 
 def test_a_node_asked_for_the_gpu_runs_in_the_worker_and_says_so(served, tmp_path):
