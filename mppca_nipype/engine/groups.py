@@ -19,12 +19,12 @@ voxel (Lancaster HO. The Helmert matrices. Am Math Monthly 72(1):4-12 (1965)).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 import time
 
 import numpy as np
 
 from .errors import MPPCAInputError
+from .layout import in_parts
 
 #: The ``demean`` modes that remove each voxel's mean per group of volumes (``denoise_by_groups``):
 #: ``shells`` takes the groups from the b-values (``shell_labels``), ``groups`` from labels given per volume.
@@ -39,8 +39,6 @@ MIN_LINKAGE = 3
 
 #: Bytes of float64 rows each thread of the transforms holds at once (a slab of the series along x).
 SLAB_BYTES = 16 << 20
-#: Threads of the transforms, at most (NumPy's cumulative sums and arithmetic release the GIL).
-THREADS = 8
 
 
 def shell_labels(bvals) -> np.ndarray:
@@ -311,18 +309,13 @@ def denoise_by_groups(data, mask, *, demean, groups=None, bvals=None, **options)
 
 
 def _by_slabs(work, shape3, n_volumes):
-    """``work(x0, x1)`` for slabs of the series along x, each about ``SLAB_BYTES`` of float64 rows, on up to
-    ``THREADS`` threads (each slab writes its own part of the outputs)."""
-    from .backend import available_cpus
-
+    """``work(x0, x1)`` for slabs of the series along x, each about ``SLAB_BYTES`` of float64 rows, the slabs
+    spread over threads (``layout.in_parts``; each slab writes its own part of the outputs)."""
     per_plane = max(1, shape3[1] * shape3[2] * n_volumes * 8)
     step = max(1, SLAB_BYTES // per_plane)
-    slabs = [(x0, min(x0 + step, shape3[0])) for x0 in range(0, shape3[0], step)]
-    threads = min(len(slabs), available_cpus(), THREADS)
-    if threads == 1:
-        for slab in slabs:
-            work(*slab)
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="mppca-groups") as pool:
-        for done in [pool.submit(work, *slab) for slab in slabs]:
-            done.result()
+
+    def slabs(numbers):
+        for number in range(numbers.start, numbers.stop):
+            work(number * step, min((number + 1) * step, shape3[0]))
+
+    in_parts(slabs, -(-shape3[0] // step), shape3[0] * shape3[1] * shape3[2] * n_volumes)

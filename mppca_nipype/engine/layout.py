@@ -140,7 +140,8 @@ def in_parts(work, n_planes: int, n_values: int, threads: int | None = None):
     """``work(slice of planes)`` over ``n_planes`` planes (z-planes, or x-planes of voxel-major data; any
     independent pieces of work), split among threads (NumPy's copies, ufuncs, FFTs and interpolation release
     the GIL): at most ``COPY_THREADS``, ``threads`` or else the CPUs this process may use and one per
-    ``COPY_MIN_VALUES`` of the ``n_values`` the work touches."""
+    ``COPY_MIN_VALUES`` of the ``n_values`` the work touches. The threads are one pool for the process, so
+    ``work`` must not wait for another ``in_parts`` itself."""
     global _pool
     if threads is None:
         threads = min(COPY_THREADS, available_cpus(), max(1, n_values // COPY_MIN_VALUES))
