@@ -1,15 +1,18 @@
-"""The filters (``denoise(filter=...)``) against each other on phantoms with a known truth.
+"""The filters (``denoise(filter=...)``) or the estimators (``estimator=...``) against each other on phantoms
+with a known truth.
 
 The phantoms of ``quality.py`` (the low-rank series at ranks 3 and 10 and noise 5 and 20, the head-shaped DWI
 phantom at noise 10 and 30), for every T in ``--volumes`` (default 32, 64, 128, 300), on a smaller grid
 (``--shape``, default 24x24x16) so that the whole table takes minutes on 2 cores. Each phantom is denoised
-with our defaults and each filter on the CPU engine; the table gives the RMSE to the truth in the mask, its
-ratio to ``hard``'s, the noise map's median relative error and the mean rank, and per T the geometric mean of
-the ratios over the phantoms (the issue's target: optshrink <= 0.95 x hard).
+with our defaults and each filter (``--vary filter``, the default) or each estimator (``--vary estimator``)
+on the CPU engine; the table gives the RMSE to the truth in the mask, its ratio to the default's (``hard``,
+``exp2``), the noise map's median relative error and the mean rank, and per T the geometric mean of the
+ratios over the phantoms.
 
 Usage (from the repository root)::
 
     python benchmarks/shrinkage.py --threads 2
+    python benchmarks/shrinkage.py --threads 2 --vary estimator --out benchmarks/results/estimators.json
 
 Writes JSON to ``--out`` (default benchmarks/results/shrinkage.json: ``stamp`` and ``rows``) and a Markdown
 table next to it (``.md``); the table is printed last.
@@ -33,7 +36,10 @@ import cpu_peers as peers  # noqa: E402  (scoring)
 import harness  # noqa: E402
 from quality import FULL_DWI, FULL_LOWRANK, FULL_VOLUMES, parse_volumes, phantom_grid  # noqa: E402
 
-FILTERS = ("hard", "optshrink", "optthresh")
+from mppca_nipype.engine.estimators import ESTIMATORS, FILTERS  # noqa: E402
+
+#: What ``--vary`` may vary: the option's values, the first the baseline of the ratios.
+CHOICES = {"filter": FILTERS, "estimator": ESTIMATORS}
 SHAPE = (24, 24, 16)
 
 
@@ -44,50 +50,51 @@ def measure(args):
     rows = []
     for n_volumes, make in phantom_grid(args.shape, args.volumes, FULL_LOWRANK, FULL_DWI):
         phantom = make()
-        for filter_name in FILTERS:
+        for value in CHOICES[args.vary]:
             started = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", MPPCAWarning)
-                result = denoise(phantom.noisy, filter=filter_name, device="cpu", nprocs=args.threads)
+                result = denoise(phantom.noisy, **{args.vary: value}, device="cpu", nprocs=args.threads)
             seconds = time.perf_counter() - started
-            row = dict(phantom=phantom.name, volumes=n_volumes, filter=filter_name, seconds=round(seconds, 3),
-                       mean_rank=float(result.rank[phantom.mask].mean()),
-                       **peers.score(phantom, result.denoised, result.sigma))
+            row = {"phantom": phantom.name, "volumes": n_volumes, args.vary: value, "seconds": round(seconds, 3),
+                   "mean_rank": float(result.rank[phantom.mask].mean()),
+                   **peers.score(phantom, result.denoised, result.sigma)}
             rows.append(row)
-            print(f"{phantom.name:24s} {filter_name:10s} rmse {row['rmse_mask']:.4f} {seconds:.2f} s",
-                  file=sys.stderr)
-    hard = {row["phantom"]: row["rmse_mask"] for row in rows if row["filter"] == "hard"}
+            print(f"{phantom.name:24s} {value:10s} rmse {row['rmse_mask']:.4f} {seconds:.2f} s", file=sys.stderr)
+    baseline = CHOICES[args.vary][0]
+    base = {row["phantom"]: row["rmse_mask"] for row in rows if row[args.vary] == baseline}
     for row in rows:
-        row["ratio_to_hard"] = row["rmse_mask"] / hard[row["phantom"]]
+        row[f"ratio_to_{baseline}"] = row["rmse_mask"] / base[row["phantom"]]
     return rows
 
 
-def geometric_means(rows):
-    """{(filter, T): geometric mean over the phantoms of the RMSE ratio to hard}, and over every T."""
+def geometric_means(rows, vary):
+    """{(value, T): geometric mean over the phantoms of the RMSE ratio to the baseline}, and over every T."""
+    ratio = f"ratio_to_{CHOICES[vary][0]}"
     means = {}
-    for filter_name in FILTERS:
+    for value in CHOICES[vary]:
         for n_volumes in sorted({row["volumes"] for row in rows}) + [None]:
-            ratios = [row["ratio_to_hard"] for row in rows
-                      if row["filter"] == filter_name and n_volumes in (None, row["volumes"])]
-            means[(filter_name, n_volumes)] = float(np.exp(np.mean(np.log(ratios))))
+            ratios = [row[ratio] for row in rows if row[vary] == value and n_volumes in (None, row["volumes"])]
+            means[(value, n_volumes)] = float(np.exp(np.mean(np.log(ratios))))
     return means
 
 
 def markdown(result) -> str:
-    rows = result["rows"]
+    rows, vary = result["rows"], result["settings"].get("vary", "filter")
+    baseline = CHOICES[vary][0]
     volumes = sorted({row["volumes"] for row in rows})
-    means = geometric_means(rows)
-    lines = ["RMSE to the truth in the mask, relative to `hard` (geometric mean over the phantoms):", "",
-             "| filter | " + " | ".join(f"T = {t}" for t in volumes) + " | all T |",
+    means = geometric_means(rows, vary)
+    lines = [f"RMSE to the truth in the mask, relative to `{baseline}` (geometric mean over the phantoms):", "",
+             f"| {vary} | " + " | ".join(f"T = {t}" for t in volumes) + " | all T |",
              "| --- | " + " | ".join("---:" for _ in volumes) + " | ---: |"]
-    for filter_name in FILTERS:
-        cells = [f"{means[(filter_name, t)]:.3f}" for t in volumes + [None]]
-        lines.append(f"| `{filter_name}` | " + " | ".join(cells) + " |")
-    lines += ["", "| phantom | filter | RMSE (mask) | / hard | sigma median rel. error | mean rank | s |",
+    for value in CHOICES[vary]:
+        cells = [f"{means[(value, t)]:.3f}" for t in volumes + [None]]
+        lines.append(f"| `{value}` | " + " | ".join(cells) + " |")
+    lines += ["", f"| phantom | {vary} | RMSE (mask) | / {baseline} | sigma median rel. error | mean rank | s |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
-        lines.append(f"| {row['phantom']} | `{row['filter']}` | {row['rmse_mask']:.4f} | "
-                     f"{row['ratio_to_hard']:.3f} | {row['sigma_median_rel']:+.4f} | {row['mean_rank']:.2f} | "
+        lines.append(f"| {row['phantom']} | `{row[vary]}` | {row['rmse_mask']:.4f} | "
+                     f"{row[f'ratio_to_{baseline}']:.3f} | {row['sigma_median_rel']:+.4f} | {row['mean_rank']:.2f} | "
                      f"{row['seconds']:.2f} |")
     return "\n".join(lines)
 
@@ -99,11 +106,14 @@ def main(argv=None):
                         help="numbers of volumes T, comma-separated (default: 32,64,128,300)")
     parser.add_argument("--shape", type=lambda text: tuple(int(v) for v in text.split(",")), default=SHAPE,
                         help="the phantoms' grid X,Y,Z (default: 24,24,16)")
+    parser.add_argument("--vary", choices=tuple(CHOICES), default="filter",
+                        help="the option compared: each filter (the default) or each estimator")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "shrinkage.json")
     args = parser.parse_args(argv)
     run = harness.stamp()
     result = dict(stamp=run, settings=dict(shape=list(args.shape), volumes=list(args.volumes),
-                                           threads=args.threads, options="the defaults; filter varies"),
+                                           threads=args.threads, vary=args.vary,
+                                           options=f"the defaults; {args.vary} varies"),
                   rows=measure(args))
     harness.finish(run)
     table = markdown(result)
