@@ -122,10 +122,12 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=Non
 
     notes, placement = [], {"GPUAsked": bool(use_gpu), "GPUSlot": None, "CPUFallback": None}
 
-    def run(device):
+    def run(device):  # device "worker": the app's GPU worker runs it (``gpu_worker``)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", MPPCAWarning)
-            if phase is None:
+            if device == "worker":
+                result = denoise_remote(data, mask, parameters, phase=phase, gpu_memory=gpu_memory)
+            elif phase is None:
                 result = denoise(data, mask, **parameters, device=device, nprocs=nprocs, gpu_memory=gpu_memory)
             else:
                 result = denoise_complex(data, phase, mask, **parameters, device=device, nprocs=nprocs,
@@ -135,10 +137,7 @@ def denoise_on_device(data, mask, parameters, *, use_gpu, nprocs, gpu_memory=Non
 
     if use_gpu and worker_address():  # the app's GPU worker, started once for all its runs
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", MPPCAWarning)
-                result = denoise_remote(data, mask, parameters, phase=phase, gpu_memory=gpu_memory)
-            notes.extend(str(w.message) for w in caught if issubclass(w.category, MPPCAWarning))
+            result = run("worker")
             placement["GPUWorker"] = result.info.get("gpu_worker")
             return result, notes, placement
         except GPUOutOfMemoryError as err:
