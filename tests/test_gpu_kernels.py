@@ -1292,6 +1292,16 @@ def edge_decisions_within_reach(values, n_voxels, n_volumes, estimator, delta):
     return torch.tensor(unsettled)
 
 
+def spectra_near_the_edge(rng, count, m):
+    """(values (count, m) ascending, voxels (count,)): the Gram spectra of ``count`` noise patches of 4m
+    voxels by m volumes with a few signal components, some near the edge, and voxel counts fewer and more than
+    m (the threshold's n)."""
+    n_voxels = rng.integers(m // 2, 4 * m, size=count)
+    x = rng.standard_normal((count, 4 * m, m)) * (rng.random((count, 1, m)) < 0.9)
+    x[:, :, -3:] *= rng.uniform(1, 8, size=(count, 1, 3))
+    return torch.from_numpy(np.linalg.eigvalsh(x.transpose(0, 2, 1) @ x)), torch.from_numpy(n_voxels)
+
+
 @interpreted
 @pytest.mark.parametrize("estimator", ["med", "olesen2023"])
 @pytest.mark.parametrize("m", [12, 48])
@@ -1305,11 +1315,7 @@ def test_the_threshold_kernel_decides_as_the_edge_estimators_and_their_settling_
 
     rng = np.random.default_rng(m + 1)
     count = 200
-    n_voxels = rng.integers(m // 2, 4 * m, size=count)
-    x = rng.standard_normal((count, 4 * m, m)) * (rng.random((count, 1, m)) < 0.9)
-    x[:, :, -3:] *= rng.uniform(1, 8, size=(count, 1, 3))  # a few signal components, some near the edge
-    values = torch.from_numpy(np.linalg.eigvalsh(x.transpose(0, 2, 1) @ x))
-    voxels = torch.from_numpy(n_voxels)
+    values, voxels = spectra_near_the_edge(rng, count, m)
     rank, sigma2 = marchenko_pastur_threshold(values, voxels, m - 1, estimator)
     delta = 0.002 * values[:, -1:] * torch.from_numpy(rng.random((count, 1)))
     got_rank, got_sigma2, unsettled = threshold_on_device(values, voxels, m - 1, estimator, delta)
@@ -1340,11 +1346,7 @@ def test_the_threshold_kernel_decides_as_the_estimator_and_the_settling_test(est
 
     rng = np.random.default_rng(m)
     count = 300
-    n_voxels = rng.integers(m // 2, 4 * m, size=count)
-    x = rng.standard_normal((count, 4 * m, m)) * (rng.random((count, 1, m)) < 0.9)
-    x[:, :, -3:] *= rng.uniform(1, 8, size=(count, 1, 3))  # a few signal components, some near the edge
-    values = torch.from_numpy(np.linalg.eigvalsh(x.transpose(0, 2, 1) @ x))
-    voxels = torch.from_numpy(n_voxels)
+    values, voxels = spectra_near_the_edge(rng, count, m)
     rank, sigma2 = marchenko_pastur_threshold(values, voxels, m - 1, estimator)
     delta = 0.03 * values[:, -1:] * torch.from_numpy(rng.random((count, 1)))
     expected = moved_ranks_differ(values, voxels, m - 1, estimator, rank, delta)
