@@ -68,13 +68,14 @@ def test_group_means_take_the_shell_baselines_out_of_the_rank():
 @pytest.mark.parametrize("aggregation,stride", [("weighted", 2), ("center", 1), ("uniform", 3)])
 def test_one_group_is_voxel_demeaning(aggregation, stride):
     """G = 1: the same degrees of freedom (T - 1), the same weight (1 / (2 + P)), the same numbers up to the
-    float32 rounding of the contrasts."""
+    float32 rounding of the contrasts and, voxel demeaning's first pass being float32 (the contrasts' runs
+    without demeaning are float64), float32's rounding of the noise level (1e-4, as in test_engine_cpu)."""
     data = grouped_series((7, 5, 6), [0] * 20, seed=3)
     options = dict(extent=3, stride=stride, aggregation=aggregation)
     grouped = run_engine(data, demean="groups", groups=[7] * 20, **options)
     voxel = run_engine(data, demean="voxel", **options)
     assert rms_relative(grouped.denoised, voxel.denoised) <= 1e-6
-    np.testing.assert_allclose(grouped.sigma, voxel.sigma, rtol=1e-5)
+    np.testing.assert_allclose(grouped.sigma, voxel.sigma, rtol=1e-4)
     assert np.array_equal(grouped.rank, voxel.rank)
 
 

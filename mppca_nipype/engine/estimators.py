@@ -55,7 +55,7 @@ def array_namespace(array):
     return compat_namespace(array)
 
 
-def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str = "exp2"):
+def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str = "exp2", uncertainty=None):
     """Number of signal components and noise variance of each patch, by one of the ``ESTIMATORS``.
 
     Parameters
@@ -72,6 +72,9 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
         ``exp1``: gamma = (r - P) / q (Veraart 2016); ``exp2``: gamma = (r - P) / (q - P)
         (Cordero-Grande 2019, dwidenoise's default); ``med``: the median noise eigenvalue (Gavish & Donoho
         2014's estimate of sigma); ``olesen2023``: their sum over (r - P)(q - P) (Olesen et al. 2023).
+    uncertainty : (B,) array, optional
+        How far each patch's eigenvalues may be from the true ones (a lower precision's error). With it,
+        a third result says which patches' rank such an error could change (the spread estimators only).
 
     Returns
     -------
@@ -79,6 +82,11 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
         P, the number of signal components kept (r when no P is noise-compatible).
     sigma2 : (B,) array
         Noise variance sigma^2(P) (0 when no P is noise-compatible).
+    unsettled : (B,) bool array, only with ``uncertainty``
+        Patches whose rank could differ were every eigenvalue moved by up to ``uncertainty``: each lambda
+        and sigma^2(P) then move by at most delta / q and the spread by delta / (2 q sqrt(gamma)), so a test
+        whose two sides are closer than delta / q (1 + 1 / (2 sqrt(gamma))) could go either way; the rank is
+        settled when the last surely compatible P is the last possibly compatible one.
 
     Notes
     -----
@@ -104,6 +112,8 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
     # k: the number of noise components if this eigenvalue is the largest of them
     k = xp.where(usable, index - first_usable + 1, xp.ones_like(eigenvalues))
     if estimator not in SPREAD_ESTIMATORS:
+        if uncertainty is not None:
+            raise ValueError(f"the rank's uncertainty is tested for the spread estimators only, not {estimator!r}")
         return _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator)
     lam_r = xp.min(xp.where(usable, lam, xp.full_like(lam, float("inf"))), axis=1, keepdims=True)
     gamma = k / q if estimator == "exp1" else k / (q - (r - k))
@@ -113,13 +123,25 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
 
     # the largest k that is noise-compatible (the smallest P)
     any_compatible = xp.any(noise_compatible, axis=1)
-    last = (m - 1) - xp.argmax(xp.astype(xp.flip(noise_compatible, axis=1), xp.int32), axis=1)
+    last = _last_true(xp, noise_compatible)
     n_noise = xp.where(any_compatible, xp.astype(last, dtype) - first_usable[:, 0] + 1, xp.zeros_like(r[:, 0]))
     chosen = index == xp.astype(last, dtype)[:, None]
     sigma2 = xp.where(any_compatible, xp.sum(xp.where(chosen, sigma2_k, xp.zeros_like(lam)), axis=1),
                       xp.zeros_like(r[:, 0]))
     rank = xp.astype(r[:, 0] - n_noise, xp.int64)
-    return rank, sigma2
+    if uncertainty is None:
+        return rank, sigma2
+    bound = xp.astype(uncertainty, dtype)[:, None] / q * (1.0 + 0.5 / xp.sqrt(gamma))
+    margin = sigma2_k - spread
+    unsettled = _last_true(xp, usable & (margin > bound)) != _last_true(xp, usable & (margin > -bound))
+    return rank, sigma2, unsettled
+
+
+def _last_true(xp, flags):
+    """(B,) the index of the last true value of each row of ``flags`` (B, m), -1 in a row without one."""
+    m = flags.shape[1]
+    last = (m - 1) - xp.argmax(xp.astype(xp.flip(flags, axis=1), xp.int32), axis=1)
+    return xp.where(xp.any(flags, axis=1), last, xp.full_like(last, -1))
 
 
 def _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator):

@@ -2,7 +2,7 @@
 eigenvector and no reconstruction.
 
 The windows, their batches, the worker processes and the order in which their sums are added are the CPU
-engine's (``cpu.window_spectra``, ``cpu.batch_size``, ``cpu.run_units``), and the noise and rank of each
+engine's (``cpu.settled_spectra``, ``cpu.batch_size``, ``cpu.run_units``), and the noise and rank of each
 window are aggregated to voxels as ``cpu.run_unit`` aggregates them: at the same options the maps are
 bit-identical to ``denoise``'s.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import PatchSums
-from .cpu import (NO_CLOCK, add_window_maps, batch_size, deposit, run_units, slab_turns, window_spectra,
-                  window_voxel_weights)
+from .cpu import (NO_CLOCK, add_window_maps, batch_size, deposit, first_pass_dtype, run_units, settled_spectra,
+                  slab_turns, window_voxel_weights)
 
 
 def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK):
@@ -21,11 +21,12 @@ def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK)
     ``center`` each centre voxel's own window's; else the windows' weighted sums over the unit's slab of
     ``extent[0]`` x-planes, added plane by plane in the planes' turns."""
     step = batch_size(plan.patch_size, volume.shape[1])
+    dtype = first_pass_dtype(options)
     if options.aggregation == "center":
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
             a, b = np.searchsorted(plan.centre_window, [start, stop])
-            spectra = window_spectra(volume, finite, plan, options, slice(start, stop), clock)
+            spectra = settled_spectra(volume, finite, plan, options, slice(start, stop), clock, dtype)
             window = plan.centre_window[a:b] - start
             voxel = plan.centre_voxel[a:b]
             sums.weight[voxel] = 1.0
@@ -42,7 +43,7 @@ def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK)
     with slab_turns(unit, plan, turns) as pending:
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
-            spectra = window_spectra(volume, finite, plan, options, slice(start, stop), clock)
+            spectra = settled_spectra(volume, finite, plan, options, slice(start, stop), clock, dtype)
             voxel_weight = window_voxel_weights(spectra, options, plan, start, stop)
             add_window_maps((weight, sigma, rank), spectra, voxel_weight, slab_start)
         deposit(unit, plan, sums, (None, weight, sigma, rank), turns, clock, pending)
@@ -51,5 +52,5 @@ def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK)
 def noise_cpu(data, finite, plan, options, *, nprocs=None, progress=None) -> PatchSums:
     """Run the plan's windows for their noise and rank only; the per-voxel sums (``image`` is None)."""
     sums = run_units(noise_unit, data, finite, plan, options, nprocs=nprocs, progress=progress, image=False)
-    sums.info["eigensolver"] = "LAPACK dsytrd/dsterf"
+    sums.info.update(eigensolver="LAPACK sytrd/sterf", gram_precision=np.dtype(first_pass_dtype(options)).name)
     return sums
