@@ -500,6 +500,48 @@ def test_the_first_pass_replays_as_cuda_graphs_on_each_runs_series(monkeypatch):
     assert np.abs(replayed.image - runs[0].image).max() > 1.0  # (another series: another result)
 
 
+@pytest.mark.parametrize("planes", [None, 8])
+def test_nan_in_a_series_of_a_replayed_geometry_gives_the_host_checked_result(monkeypatch, planes):
+    """``denoise`` takes the series as finite and the device finds the NaN/Inf: a geometry whose first pass
+    replays as CUDA graphs (whole), or runs in slabs, gives what the host's check first gives (one warning),
+    and its graphs then serve a finite series as before."""
+    import mppca_nipype.engine as engine
+    from mppca_nipype.engine import MPPCAWarning
+    from mppca_nipype.engine.gpu import graphs, pipeline
+
+    monkeypatch.setenv("MPPCA_GPU_GRAPHS", "1")
+    graphs.FirstPassGraphs._kept.clear()
+    if planes is not None:
+        denoise_gpu = pipeline.denoise_gpu
+        monkeypatch.setattr(engine, "_backend", lambda device: lambda *args, **kwargs: denoise_gpu(
+            *args, planes=planes, **kwargs))
+    noisy, _ = low_rank_phantom((40, 36, 26), n_volumes=48, rank=5, sigma=4.0, baseline=1000.0, seed=8)
+    options = dict(extent=11, stride=3, estimator="exp2", aggregation="weighted", demean="voxel")
+    finite_runs = [denoise(noisy, device="cuda", **options) for _ in range(3)]  # queued, captured, replayed
+    spoilt = noisy.copy()
+    spoilt[37, 20, 10, 5] = np.nan  # (in the last slab)
+    spoilt[3, 4, 5, 47] = np.inf
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found_on_device = denoise(spoilt, device="cuda", **options)
+    assert [str(w.message) for w in caught if issubclass(w.category, MPPCAWarning)] == [
+        "2 voxels hold NaN or Inf; they are left out of every patch and left as they were"]
+    taking_finite = engine._gpu_sums_of_a_finite_series
+    monkeypatch.setattr(engine, "_gpu_sums_of_a_finite_series", lambda *args: None)  # the host's check first
+    with pytest.warns(MPPCAWarning, match="2 voxels hold NaN or Inf"):
+        host_checked = denoise(spoilt, device="cuda", **options)
+    # (the same run twice: equal but for the order of the device's atomic additions)
+    np.testing.assert_allclose(found_on_device.denoised, host_checked.denoised, rtol=1e-6, atol=1e-3)
+    np.testing.assert_allclose(found_on_device.rank, host_checked.rank, rtol=1e-6, atol=1e-4)
+    assert np.isnan(found_on_device.denoised[37, 20, 10, 5]) and np.isinf(found_on_device.denoised[3, 4, 5, 47])
+    monkeypatch.setattr(engine, "_gpu_sums_of_a_finite_series", taking_finite)
+    again = denoise(noisy, device="cuda", **options)
+    if planes is None:
+        assert [run.info["first_pass"] for run in finite_runs] == ["queued", "captured", "replayed"]
+        assert again.info["first_pass"] == "replayed"
+    np.testing.assert_allclose(again.denoised, finite_runs[-1].denoised, rtol=1e-6, atol=1e-3)
+
+
 @pytest.mark.parametrize("estimator", ["exp2", "exp1", "med", "olesen2023"])
 def test_the_estimator_and_the_settling_test_never_wait_for_the_device(estimator):
     """No host synchronisation in what runs per batch after the eigensolver (a Python count of volumes

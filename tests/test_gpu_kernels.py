@@ -354,6 +354,129 @@ def test_pipeline_with_mask_nan_voxels_and_exp1_matches_cpu_backend(kernels, agg
     assert_same_denoising(cpu, gpu, mask)
 
 
+@pytest.fixture
+def gpu_denoise(monkeypatch):
+    """``denoise(device="cuda")`` on the GPU pipeline interpreted on the CPU, with the ``plan.GPUSettings``
+    put in ``settings``; returns (the list of the host's finiteness passes, ``settings``)."""
+    import mppca_nipype.engine as engine
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    settings, passes, finite_voxels = {}, [], engine._finite_voxels
+
+    def interpreted_gpu(*args, **kwargs):
+        return denoise_gpu(*args, device="cpu", **settings, **kwargs)
+
+    def counted(data):
+        passes.append(data.shape)
+        return finite_voxels(data)
+
+    monkeypatch.setattr(engine, "check_device", lambda device: "cpu" if device == "cpu" else "cuda")
+    monkeypatch.setattr(engine, "_backend", lambda device: denoise_cpu if device == "cpu" else interpreted_gpu)
+    monkeypatch.setattr(engine, "_finite_voxels", counted)
+    return passes, settings
+
+
+def _denoised_with_warnings(noisy, mask, **options):
+    """``denoise``'s result and the messages of the MPPCAWarnings it gave."""
+    import warnings
+
+    from mppca_nipype.engine import MPPCAWarning, denoise
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = denoise(noisy, mask, **options)
+    return result, [str(w.message) for w in caught if issubclass(w.category, MPPCAWarning)]
+
+
+FINITE_CASES = [dict(extent=3, stride=2, demean="voxel", planes=None),  # the box sums, whole
+                dict(extent=3, stride=2, demean="volume", planes=2),  # the fused kernels, four slabs
+                dict(extent=3, stride=2, demean="voxel", planes=3)]  # the box sums, three slabs
+
+
+@interpreted
+@pytest.mark.parametrize("case", FINITE_CASES)
+def test_a_finite_series_on_the_gpu_takes_no_host_pass_and_gives_the_host_checked_result(
+        kernels, gpu_denoise, monkeypatch, case):
+    import mppca_nipype.engine as engine
+
+    passes, settings = gpu_denoise
+    options = dict(case)
+    settings.update(planes=options.pop("planes"))
+    noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=16, rank=3, sigma=5.0, seed=11)
+    taken_finite, messages = _denoised_with_warnings(noisy, None, device="cuda", **options)
+    assert passes == [] and "series_finite" not in taken_finite.info
+    assert taken_finite.info["n_slabs"] == (1 if settings["planes"] is None else -(-8 // settings["planes"]))
+    _denoised_with_warnings(noisy, None, device="cpu", nprocs=1, **options)
+    assert len(passes) == 1  # the CPU's run checks on the host first
+    monkeypatch.setattr(engine, "_gpu_sums_of_a_finite_series", lambda *args: None)  # the host's check first
+    host_checked, host_messages = _denoised_with_warnings(noisy, None, device="cuda", **options)
+    assert len(passes) == 2 and messages == host_messages
+    for name in ("denoised", "sigma", "rank"):
+        np.testing.assert_array_equal(getattr(taken_finite, name), getattr(host_checked, name))
+
+
+@interpreted
+@pytest.mark.parametrize("case, where, eigensolver, n_passes", [
+    # the device's flag, then the host's pass of the checked run
+    (FINITE_CASES[0], "outside the mask", "tridiagonal", 1),
+    (FINITE_CASES[1], "in the mask and the last slab", "tridiagonal", 1),
+    (FINITE_CASES[2], "in the mask and the last slab", "tridiagonal", 1),
+    # LAPACK's eigh (the CPU's stand-in for cuSOLVER) raises on NaN: a look after the error, then that pass
+    (FINITE_CASES[1], "outside the mask", "xsyev", 2)])
+def test_nan_and_inf_found_on_the_gpu_give_the_host_checked_result_and_one_warning(
+        kernels, gpu_denoise, monkeypatch, case, where, eigensolver, n_passes):
+    import mppca_nipype.engine as engine
+
+    passes, settings = gpu_denoise
+    options = dict(case)
+    settings.update(planes=options.pop("planes"), eigensolver=eigensolver)
+    noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=16, rank=3, sigma=5.0, seed=12)
+    mask = np.zeros(noisy.shape[:3], bool)
+    mask[1:7, 1:5, 0:4] = True
+    noisy[0, 5, 4, 3] = np.nan
+    if where == "in the mask and the last slab":
+        noisy[7, 2, 1, 15] = np.inf  # (outside the mask, x = 7: the last slab's own plane)
+        noisy[6, 2, 1, 0] = -np.inf  # (inside the mask)
+    result, messages = _denoised_with_warnings(noisy, mask, device="cuda", **options)
+    assert len(passes) == n_passes
+    monkeypatch.setattr(engine, "_gpu_sums_of_a_finite_series", lambda *args: None)  # the host's check first
+    expected, expected_messages = _denoised_with_warnings(noisy, mask, device="cuda", **options)
+    assert messages == expected_messages
+    n_inside = int(where != "outside the mask")
+    assert sum("NaN or Inf" in m for m in messages) == (1 if n_inside else 0)
+    assert result.info["n_nonfinite_voxels"] == expected.info["n_nonfinite_voxels"] == n_inside
+    for name in ("denoised", "sigma", "rank"):
+        np.testing.assert_array_equal(getattr(result, name), getattr(expected, name))
+    if n_inside:
+        np.testing.assert_array_equal(result.denoised[6, 2, 1], noisy[6, 2, 1])  # kept as it was
+
+
+def test_an_error_of_the_gpu_run_over_nan_leads_to_the_host_checked_run(gpu_denoise, monkeypatch):
+    """A run over a series taken as finite may fail where it holds NaN (the settling pass on the host, the CPU's
+    redo of failed eigensolves): the host's check then answers; over a finite series the error goes up."""
+    import mppca_nipype.engine as engine
+    from mppca_nipype.engine import denoise
+
+    passes, _ = gpu_denoise
+
+    def fails_unless_checked(data, finite, plan, options, **kwargs):  # the CPU backend standing in
+        if finite.all():
+            raise RuntimeError("the eigensolver did not converge")
+        return denoise_cpu(data, finite, plan, options, nprocs=1)
+
+    monkeypatch.setattr(engine, "_backend", lambda device: fails_unless_checked)
+    noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=16, rank=3, sigma=5.0, seed=13)
+    with pytest.raises(RuntimeError, match="did not converge"):
+        denoise(noisy, device="cuda", extent=3, stride=2)
+    noisy[3, 2, 1, 4] = np.nan
+    with pytest.warns(engine.MPPCAWarning, match="1 voxels hold NaN or Inf"):
+        result = denoise(noisy, device="cuda", extent=3, stride=2)
+        expected = denoise(noisy, device="cpu", extent=3, stride=2, nprocs=1)
+    np.testing.assert_array_equal(result.denoised, expected.denoised)
+    # a look after each failed run (the finite series', the NaN's), the NaN's checked run, the CPU's run
+    assert len(passes) == 4
+
+
 @interpreted
 @pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
 @pytest.mark.parametrize("demean", ["voxel", "volume", "none"])

@@ -63,6 +63,10 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     (``backend.GPUMemory``): the budget asked for (``plan.DeviceMemory``). ``settings``: the fields of
     ``plan.GPUSettings`` (path, eigensolver, precision, max_batch, planes, normalize, settle, timeline).
     ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process.
+
+    ``info["series_finite"]``: whether every value of ``data`` is finite, checked on the device as each slab's
+    series is there and read once the run has waited for the device (``engine.denoise`` takes the series as
+    finite with no host pass over it, and redoes the run the host's way where it is not).
     """
     settings = GPUSettings(**settings)
     device = torch.device(device or "cuda")
@@ -120,6 +124,8 @@ class _GPURunOfSlabs:
         self.host_finite = (None if self.every_voxel_finite
                             else np.ascontiguousarray(finite.reshape(-1), dtype=np.float32))
         self.uploads = {}  # slab number -> what ``_upload`` returned, until its slab takes it
+        self.arrived = None  # the slab's series on the device, once ``_rows_of`` gave it (``_check_finite``)
+        self.series_finite = None  # (device bool) whether every value uploaded so far is finite
         self.copies_queued = []  # every upload's futures (``abandon`` waits for them; they hold no tensor)
         self.options = options
 
@@ -141,6 +147,7 @@ class _GPURunOfSlabs:
         downloads = torch.cuda.Stream(self.device) if self.on_gpu else None
         timeline.mark("set up")
         carried, done_windows = None, 0
+        self.series_finite = torch.ones((), dtype=torch.bool, device=self.device)
         for number, slab in enumerate(self.slabs):
             n_rows = (slab.stop - slab.first) * self.plane
             if self.kept_graphs is not None:  # (one slab) the sums the geometry's graphs add into
@@ -158,9 +165,14 @@ class _GPURunOfSlabs:
             done_windows = slab.windows.stop
             finisher.up_to(final)
             carried = sums.tail(final)
+            self._check_finite()  # (after the slab's downloads are queued: they need not wait for it)
         if volume_major:
             download_volume_major(sums.image, outputs[0], downloads)
         run.download_counts()
+        # the flag comes down beside the outputs, read after the run's one wait (a read of the device's would
+        # be a second)
+        series_finite = torch.empty((), dtype=torch.bool, pin_memory=self.on_gpu)
+        series_finite.copy_(self.series_finite, non_blocking=True)
         timeline.mark("all queued")
         peak, device_name = self._wait_for_the_device(downloads)
         image, weight, sigma, rank, *lambda_plus = (x.numpy() for x in outputs)
@@ -176,6 +188,7 @@ class _GPURunOfSlabs:
                                    n_settled_in_float64=run.settled(), n_redone_on_cpu=run.n_redone_on_cpu,
                                    eigenvalues_refined=bool(run.refine), mean_taken_apart=run.mean_apart,
                                    first_pass=run.first_pass, gpu_peak_bytes=int(peak),
+                                   series_finite=bool(series_finite),
                                    seconds_engine=time.perf_counter() - self.started,
                                    **(dict(timeline_ms=timeline.milliseconds()) if timeline.enabled else {})))
 
@@ -187,6 +200,15 @@ class _GPURunOfSlabs:
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    def _check_finite(self):
+        """Fold whether every value of the slab's series is finite into ``series_finite``, on the device and
+        after the slab's work (the current stream has waited for the whole series by then): the caller may
+        have taken the series as finite with no pass of its own over it (``engine.denoise``). Its min and max
+        are NaN or infinite exactly where some value is, and need no temporary the size of the series."""
+        lowest, highest = torch.aminmax(self.arrived)
+        self.series_finite &= torch.isfinite(lowest) & torch.isfinite(highest)
+        self.arrived = None
 
     def _upload(self, slab):
         """Start the slab's series on its way to the device (on the copy stream)."""
@@ -213,7 +235,9 @@ class _GPURunOfSlabs:
             finite_rows = torch.ones(rows.stop - rows.start, dtype=torch.float32, device=self.device)
         else:
             finite_rows = to_device(self.host_finite[rows], self.device)
-        return self.uploads.pop(number), finite_rows
+        series = self.uploads.pop(number)
+        self.arrived = series.tensor if isinstance(series, Upload) else series
+        return series, finite_rows
 
     def _wait_for_the_device(self, downloads):
         """The run's one wait (unless a pass needed the host), after the last download; returns the peak of
