@@ -643,17 +643,20 @@ def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
         # divided in the sums' precision and rounded once to float32, with no (V, T) temporary
         denoised = planes_of_rows(sums.image, empty_like_series(data), divisor=weight)
         sigma, rank = (sums.sigma / weight).reshape(shape3), (sums.rank / weight).reshape(shape3)
-    if not served.all():  # (a pass over the whole series, only where some voxel was not served)
+    every_voxel = served.all()
+    if not every_voxel:  # (a pass over the whole series, only where some voxel was not served)
         denoised[~served] = 0
         keep_input = mask & ~finite
         if keep_input.any():
             denoised[keep_input] = data[keep_input]
-    sigma = np.where(served, sigma, 0).astype(np.float32)
-    rank = np.where(served, rank, 0).astype(np.float32)
-    result = DenoiseResult(denoised, sigma, rank, info={})
+
+    def voxel_map(values):  # float32, 0 where not served (the backend's own array where every voxel was)
+        return (np.asarray(values, dtype=np.float32).reshape(shape3) if every_voxel
+                else np.where(served, values.reshape(shape3), 0).astype(np.float32))
+
+    result = DenoiseResult(denoised, voxel_map(sigma), voxel_map(rank), info={})
     if sums.lambda_plus is not None:
-        edge = sums.lambda_plus if sums.normalized else sums.lambda_plus / weight
-        result.lambda_plus = np.where(served, edge.reshape(shape3), 0).astype(np.float32)
+        result.lambda_plus = voxel_map(sums.lambda_plus if sums.normalized else sums.lambda_plus / weight)
     return result
 
 
@@ -669,4 +672,8 @@ def _removed_variance_of(data, mask, denoised) -> np.ndarray:
 
 def _served(sums: PatchSums, mask, finite) -> np.ndarray:
     """(X, Y, Z) bool: the voxels of the mask that took part in a patch and got a value from the sums."""
-    return (sums.weight > 0).reshape(mask.shape) & mask & finite
+    served = (sums.weight > 0).reshape(mask.shape)
+    for voxels in (mask, finite):  # (most often every voxel: a check, not a pass that writes)
+        if not voxels.all():
+            served &= voxels
+    return served
