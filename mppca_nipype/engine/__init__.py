@@ -620,6 +620,15 @@ def choose_device(device: str, shape, options: DenoiseOptions, nprocs=None) -> t
     return "cuda", f"auto: the GPU ({guess.reason()})"
 
 
+def steps_device(device: str, shape, denoise_options: dict, nprocs=None) -> str:
+    """Where the steps over the whole series around ``denoise`` run (complex data's phase, a noise floor's
+    transforms and noise level): "cuda" where ``denoise`` of a series of ``shape`` with ``denoise_options``
+    (extent, stride, estimator, aggregation, demean, filter) runs on the GPU engine (``choose_device``),
+    else "cpu" (their NumPy code, on the host)."""
+    options = resolve_options(shape, **denoise_options)
+    return choose_device(device, shape, options, nprocs)[0]
+
+
 def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
     """Divide the sums by the weights; put back what was not denoised.
 

@@ -74,7 +74,8 @@ class ComplexDenoiseResult:
     info : dict
         ``denoise``'s info, with ``phase_method``, ``phase_width``, ``phase_passes``, ``phase_units`` (how
         the phase was read: ``phase_in_radians``'s units, or "complex" for a complex series),
-        ``magnitude`` (``magnitude_out``),
+        ``magnitude`` (``magnitude_out``), ``steps_device`` (where the steps around ``denoise`` ran: "cuda",
+        with torch where the GPU engine runs, or "cpu", with NumPy),
         ``imaginary_sd_ratio`` (the median over the denoised voxels of the rms of I over time, divided by
         sigma: about 1 where phi is right) and ``seconds`` by step.
     """
@@ -126,6 +127,12 @@ def hann_window(size: int, width: float):
     return np.where(np.abs(k) < half, 0.5 + 0.5 * np.cos(np.pi * k / half), 0.0)
 
 
+def check_phase_width(width) -> None:
+    """MPPCAInputError, one sentence, unless ``width`` (the Hann window's) is a number in (0, 1]."""
+    if isinstance(width, bool) or not (isinstance(width, (float, int, np.floating)) and 0 < width <= 1):
+        raise MPPCAInputError(f"phase_width must be a number in (0, 1], not {width!r}")
+
+
 def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES, threads=None):
     """The smooth background phase of a complex series (X, Y, Z, T), per slice (z) and volume, in radians.
 
@@ -137,8 +144,7 @@ def background_phase(image, *, width=PHASE_WIDTH, passes=PHASE_PASSES, threads=N
     the same shape, wrapped to [-pi, pi). The volumes are spread over ``threads`` threads (None: the CPUs this
     process may use; ``layout.in_parts``), each volume's arithmetic the same on any number.
     """
-    if isinstance(width, bool) or not (isinstance(width, (float, int, np.floating)) and 0 < width <= 1):
-        raise MPPCAInputError(f"phase_width must be a number in (0, 1], not {width!r}")
+    check_phase_width(width)
     from scipy import fft
 
     window = (hann_window(image.shape[0], width)[:, None] * hann_window(image.shape[1], width)[None, :])
@@ -205,7 +211,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     -------
     ComplexDenoiseResult
     """
-    from . import DEFAULTS, check_data, denoise
+    from . import DEFAULTS, check_data, denoise, steps_device
 
     options = {name: DEFAULTS[name] if value is None else value
                for name, value in dict(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
@@ -222,6 +228,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         raise MPPCAInputError(f"phase_method must be one of {', '.join(PHASE_METHODS)}, not {phase_method!r}")
     if magnitude_out not in MAGNITUDES:
         raise MPPCAInputError(f"magnitude_out must be one of {', '.join(MAGNITUDES)}, not {magnitude_out!r}")
+    check_phase_width(phase_width)
     threads = nprocs  # the host's elementwise steps and FFTs (None: the CPUs this process may use)
     if np.iscomplexobj(magnitude):
         if phase is not None:
@@ -230,7 +237,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         magnitude, mask = check_data(np.abs(image), mask)  # NaN/Inf in either part: not finite here
         finite = np.isfinite(magnitude)
         image[~finite] = 0
-        units = "complex"
+        radians, units = None, "complex"
     else:
         if phase is None:
             raise MPPCAInputError("the magnitude needs its phase (or give the complex series itself)")
@@ -241,33 +248,22 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         if negative:
             raise MPPCAInputError(f"the magnitude has {negative} negative values; with a phase it must be the "
                                   "modulus of the complex image")
-        finite = np.isfinite(magnitude)
-        image = np.empty(magnitude.shape, np.complex64, order="F" if is_volume_major(magnitude) else "C")
-
-        def modulate(s):
-            image[s] = np.where(finite[s], magnitude[s], 0).astype(np.complex64) * np.exp(
-                1j * radians[s]).astype(np.complex64)
-
-        _by_slabs(modulate, image, threads)
+        image = None  # built where the steps run (below)
     run_options = dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory, progress=progress)
-    if phase_method == "mppca":
-        first = denoise(np.concatenate([image.real, image.imag], axis=3), mask, **options, **run_options).denoised
-        n_volumes = magnitude.shape[3]
-        background = background_phase(first[..., :n_volumes] + 1j * first[..., n_volumes:], width=phase_width,
-                                      passes=phase_passes, threads=threads)
-        del first
-        lap("first pass")
+
+    def first_pass(parts):  # phase_method "mppca": the complex series denoised as 2T real volumes
+        return denoise(parts, mask, **options, **run_options).denoised
+
+    # the steps over the whole series run where the engine does: with torch on the GPU, else with NumPy here
+    on_gpu = steps_device(device, magnitude.shape, options, nprocs) == "cuda"
+    if on_gpu:
+        real, background, imaginary_power = _demodulated_on_gpu(magnitude, radians, image, phase_method=phase_method,
+                                                                width=phase_width, passes=phase_passes,
+                                                                first_pass=first_pass, lap=lap)
     else:
-        background = background_phase(image, width=phase_width, passes=phase_passes, threads=threads)
-    real, imaginary = (np.empty(image.shape, np.float32, order="F" if is_volume_major(image) else "C")
-                       for _ in range(2))
-
-    def demodulate(s):
-        demodulated = image[s] * np.exp(-1j * background[s]).astype(np.complex64)
-        real[s] = np.where(finite[s], demodulated.real, magnitude[s])  # NaN/Inf stay where the engine expects them
-        imaginary[s] = demodulated.imag
-
-    _by_slabs(demodulate, image, threads)
+        real, background, imaginary = _demodulated(magnitude, radians, image, phase_method=phase_method,
+                                                   width=phase_width, passes=phase_passes, threads=threads,
+                                                   first_pass=first_pass, lap=lap)
     del image
     lap("demodulation")
     result = denoise(real, mask, **options, noise=noise, **run_options)
@@ -277,10 +273,75 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     served = mask & np.isfinite(denoised).all(axis=3) & (result.sigma > 0)
     ratio = None
     if served.any():
-        rms = np.sqrt(np.mean(np.square(imaginary[served], dtype=np.float64), axis=1))
+        rms = (np.sqrt(imaginary_power[served]) if on_gpu
+               else np.sqrt(np.mean(np.square(imaginary[served], dtype=np.float64), axis=1)))
         ratio = float(np.median(rms / result.sigma[served]))
-    del imaginary
-    out_phase = background  # (its own: turned in place)
+    if on_gpu:
+        from .gpu.series_steps import remodulate_series
+
+        magnitude_denoised, out_phase = remodulate_series(denoised, background, mask, magnitude_out, "cuda")
+    else:
+        del imaginary
+        magnitude_denoised, out_phase = _remodulated(denoised, background, mask, magnitude_out, threads)
+    del background
+    lap("remodulation")
+    info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width),
+                phase_passes=int(phase_passes), phase_units=units, steps_device="cuda" if on_gpu else "cpu",
+                magnitude=magnitude_out, imaginary_sd_ratio=ratio, seconds=dict(result.info["seconds"], **seconds))
+    return ComplexDenoiseResult(magnitude_denoised.astype(np.float32, copy=False), out_phase, result.sigma,
+                                result.rank, info)
+
+
+def _demodulated(magnitude, radians, image, *, phase_method, width, passes, threads, first_pass, lap):
+    """``denoise_complex``'s steps 1-3 with NumPy on ``threads`` threads: (R, phi, I), float32 in
+    ``magnitude``'s order. ``image``: the complex series (its non-finite values 0), or None to build it from
+    ``magnitude`` and ``radians``; ``first_pass``: ``denoise`` of a series, for ``phase_method="mppca"``."""
+    finite = np.isfinite(magnitude)
+    if image is None:
+        image = np.empty(magnitude.shape, np.complex64, order="F" if is_volume_major(magnitude) else "C")
+
+        def modulate(s):
+            image[s] = np.where(finite[s], magnitude[s], 0).astype(np.complex64) * np.exp(
+                1j * radians[s]).astype(np.complex64)
+
+        _by_slabs(modulate, image, threads)
+    if phase_method == "mppca":
+        first = first_pass(np.concatenate([image.real, image.imag], axis=3))
+        n_volumes = magnitude.shape[3]
+        background = background_phase(first[..., :n_volumes] + 1j * first[..., n_volumes:], width=width,
+                                      passes=passes, threads=threads)
+        del first
+        lap("first pass")
+    else:
+        background = background_phase(image, width=width, passes=passes, threads=threads)
+    real, imaginary = (np.empty(image.shape, np.float32, order="F" if is_volume_major(image) else "C")
+                       for _ in range(2))
+
+    def demodulate(s):
+        demodulated = image[s] * np.exp(-1j * background[s]).astype(np.complex64)
+        real[s] = np.where(finite[s], demodulated.real, magnitude[s])  # NaN/Inf stay where the engine expects them
+        imaginary[s] = demodulated.imag
+
+    _by_slabs(demodulate, image, threads)
+    return real, background, imaginary
+
+
+def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passes, first_pass, lap):
+    """``_demodulated`` with torch on the GPU (``gpu.series_steps``), the complex series never built on the
+    host: (R, phi, the mean over volumes of I^2 per voxel)."""
+    from .gpu.series_steps import complex_parts, demodulate_series
+
+    smoothed = None
+    if phase_method == "mppca":
+        smoothed = first_pass(complex_parts(magnitude, radians, image, device="cuda"))
+        lap("first pass")
+    return demodulate_series(magnitude, radians, image, smoothed, width=width, passes=passes, device="cuda")
+
+
+def _remodulated(denoised, background, mask, magnitude_out, threads):
+    """``denoise_complex``'s step 5 with NumPy on ``threads`` threads: (the magnitude, the phase of
+    R_hat e^{i phi}, 0 outside the mask); the phase is ``background``, turned in place."""
+    out_phase = background
     magnitude_denoised = np.empty_like(denoised)
 
     def remodulate(s):
@@ -290,9 +351,4 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
 
     _by_slabs(remodulate, denoised, threads)
     out_phase[~mask] = 0
-    lap("remodulation")
-    info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width),
-                phase_passes=int(phase_passes), phase_units=units,
-                magnitude=magnitude_out, imaginary_sd_ratio=ratio, seconds=dict(result.info["seconds"], **seconds))
-    return ComplexDenoiseResult(magnitude_denoised.astype(np.float32, copy=False), out_phase, result.sigma,
-                                result.rank, info)
+    return magnitude_denoised, out_phase

@@ -212,7 +212,7 @@ def _in_chunks(function, values, out, threads: int | None = 1):
 SIGMA_BISECTIONS = 14
 
 
-def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int, threads: int = 1):
+def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int, threads: int = 1, device=None):
     """The channels' sigma from MP-PCA's noise level of magnitude data, voxel by voxel.
 
     MP-PCA measures the spread of m itself, sigma * s(theta), which at low SNR lies below sigma (Rayleigh
@@ -220,10 +220,15 @@ def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int, thre
     sigma^2 * mean over t of s^2(theta_t) = sigma_mp^2, theta_t where mu(theta_t) = d_t / sigma. Since s lies
     between s(0) and 1, sigma lies between sigma_mp and sigma_mp / s(0): found by SIGMA_BISECTIONS bisections
     (``sigma_magnitude`` (X, Y, Z), ``mean_magnitude`` (X, Y, Z, T); 0 stays 0), slabs of x-planes on
-    ``threads`` threads (each voxel's arithmetic is the same whatever the slabs).
+    ``threads`` threads (each voxel's arithmetic is the same whatever the slabs); or, with a torch ``device``,
+    there in blocks (``gpu.series_steps.noise_level``).
     """
     thetas = np.arange(0, THETA_MAX + THETA_STEP / 2, THETA_STEP)
     means, variances = magnitude_mean(thetas, coils), np.square(magnitude_sd(thetas, coils))
+    if device is not None:
+        from .gpu.series_steps import noise_level
+
+        return noise_level(sigma_magnitude, mean_magnitude, means, variances, SIGMA_BISECTIONS, device)
     sigma_mp = np.asarray(sigma_magnitude, np.float64)
     sigma = np.zeros(sigma_mp.shape)
     planes = max(1, CHUNK // max(1, math.prod(mean_magnitude.shape[1:])))
@@ -268,10 +273,11 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     ``denoise_options`` (extent, stride, estimator, aggregation, demean) and ``run_options`` (device, nprocs,
     gpu_memory, progress) go to every ``denoise``. Returns a ``DenoiseResult``: the signal estimate A, the
     sigma used (0 outside the mask), the second pass's rank map, and ``info``: the second pass's, with
-    ``noise_floor``, ``coils``, ``noise`` (where sigma came from: "given" or "estimated") and ``seconds`` by
-    step.
+    ``noise_floor``, ``coils``, ``noise`` (where sigma came from: "given" or "estimated"), ``steps_device``
+    (where the transforms and the noise level ran: "cuda", with torch where the GPU engine runs, or "cpu",
+    with NumPy) and ``seconds`` by step.
     """
-    from . import check_data, denoise, resolve_noise
+    from . import check_data, denoise, resolve_noise, steps_device
 
     data, mask = check_data(data, mask)
     check_noise_floor(noise_floor, coils)
@@ -292,9 +298,13 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
 
     finite = np.isfinite(data).all(axis=3)
     threads = run_options.get("nprocs") or available_cpus()  # the host's part: transforms, the noise level
+    # the transforms and the noise level run where the engine does: with torch on the GPU, else with NumPy here
+    on_gpu = steps_device(run_options.get("device", "auto"), data.shape, denoise_options,
+                          run_options.get("nprocs")) == "cuda"
+    device = "cuda" if on_gpu else None
     if noise is None:
         first = denoise(data, mask, **denoise_options, **run_options)
-        sigma = noise_level_from_magnitude(first.sigma, first.denoised, coils, threads)
+        sigma = noise_level_from_magnitude(first.sigma, first.denoised, coils, threads, device=device)
         del first
         lap("first pass")
     else:
@@ -309,21 +319,32 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     scale = np.where(known, sigma, np.median(sigma[known]) if known.any() else 1.0).astype(np.float32)
 
     transform = stabilizer(coils)
-    stabilized = np.empty_like(data)
-    np.divide(data, scale[..., None], out=stabilized)
-    _in_chunks(transform.forward, stabilized, stabilized, threads)
+    if on_gpu:
+        from .gpu.series_steps import stabilize_series
+
+        stabilized = stabilize_series(data, scale, transform, device)
+    else:
+        stabilized = np.empty_like(data)
+        np.divide(data, scale[..., None], out=stabilized)
+        _in_chunks(transform.forward, stabilized, stabilized, threads)
     lap("transform")
     second = denoise(stabilized, mask, **denoise_options, **run_options)
     del stabilized
     lap("second pass")
     signal = second.denoised
-    _in_chunks(transform.inverse, signal, signal, threads)
-    signal *= scale[..., None]
+    if on_gpu:
+        from .gpu.series_steps import unstabilize_series
+
+        unstabilize_series(signal, np.where(mask, scale, 0).astype(np.float32), transform, device)  # 0 outside
+    else:
+        _in_chunks(transform.inverse, signal, signal, threads)
+        signal *= scale[..., None]
     kept = mask & ~finite  # voxels the engine left as they were (NaN/Inf) keep the input's values
     if kept.any():
         signal[kept] = data[kept]
-    signal[~mask] = 0
+    if not on_gpu:
+        signal[~mask] = 0
     lap("inverse")
-    info = dict(second.info, noise_floor=noise_floor, coils=int(coils),
+    info = dict(second.info, noise_floor=noise_floor, coils=int(coils), steps_device="cuda" if on_gpu else "cpu",
                 noise="estimated" if noise is None else "given", seconds=seconds)
     return type(second)(signal, np.where(mask & known, sigma, 0).astype(np.float32), second.rank, info)

@@ -1,0 +1,282 @@
+"""The steps around the engine, over a whole series, on the engine's device: complex data's modulation,
+background phase, demodulation and remodulation (``complex_data``), and the magnitude noise floor's
+transforms and noise level (``noise_floor``).
+
+Each function computes what its NumPy counterpart in those modules computes (named in its docstring), with
+torch, a block of the series at a time: the block is uploaded, computed on the device and downloaded into
+the NumPy output, so the device holds a few blocks' temporaries whatever the series' size. The blocks are
+slabs along the series' slowest axis in memory (x-planes of a voxel-major series, volumes of a volume-major
+one: each block one contiguous piece of memory), or slabs of z-planes where a step needs whole in-plane
+images (the FFT) or whole time courses (a sum over volumes). The NumPy functions stay the CPU engine's;
+these run where the GPU engine does, ``device`` any torch device (the tests run them on the CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..layout import is_volume_major
+
+#: Values of the series in one block, at most (at least one plane of the slab's axis): 64 MB of float32; the
+#: steps' temporaries (complex64, float64) take a few times that on the device.
+BLOCK_VALUES = 1 << 24
+
+
+def torch_device(device) -> torch.device:
+    """``device`` ("cuda", "cpu" or a torch device) as a torch device; "cuda" is the current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def series_blocks(series: np.ndarray, whole: str | None = None, block_values: int | None = None):
+    """Index tuples (one slice per axis) of blocks that cover the (X, Y, Z, T) ``series``, each at most
+    ``block_values`` (default ``BLOCK_VALUES``) values or one plane of its axis.
+
+    ``whole`` None: slabs along the slowest axis in memory (x, or t for a volume-major series), each block
+    one contiguous piece. "time courses": each block holds its voxels' whole time courses (x-slabs, or z-slabs
+    for a volume-major series). "slices": each block holds whole in-plane images and time courses (z-slabs).
+    A block's index[:3] indexes the (X, Y, Z) maps of its voxels.
+    """
+    if whole not in (None, "time courses", "slices"):
+        raise ValueError(f"a block holds whole 'time courses' or 'slices', not {whole!r}")
+    volume_major = is_volume_major(series)
+    if whole == "slices" or (whole == "time courses" and volume_major):
+        axis = 2
+    else:
+        axis = 3 if volume_major and whole is None else 0
+    size = series.shape[axis]
+    per_plane = max(1, series.size // max(1, size))
+    step = max(1, (block_values or BLOCK_VALUES) // per_plane)
+    blocks = []
+    for start in range(0, size, step):
+        index = [slice(None)] * 4
+        index[axis] = slice(start, min(start + step, size))
+        blocks.append(tuple(index))
+    return blocks
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A copy of the NumPy ``array`` (a block's view) on ``device``; never a view of the caller's memory."""
+    return torch.from_numpy(np.asarray(array)).to(device, copy=True)
+
+
+def download(tensor: torch.Tensor, out: np.ndarray) -> None:
+    """Write ``tensor`` into the NumPy view ``out`` (casting to its dtype)."""
+    torch.from_numpy(out).copy_(tensor)
+
+
+def _table(values, device) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(values, np.float64), device=device)
+
+
+# -- interpolation ---------------------------------------------------------------------------------------
+
+def interpolated(x: torch.Tensor, knots: torch.Tensor, values: torch.Tensor, right=None) -> torch.Tensor:
+    """``numpy.interp(x, knots, values, right=right)`` in float64: ``values[0]`` below the first knot,
+    ``right`` (default ``values[-1]``) above the last, NaN where x is NaN. ``knots`` rise (equal neighbours
+    allowed: no x falls between them); the arithmetic is NumPy's, slope * (x - knot) + value."""
+    x = x.to(torch.float64)
+    last = knots.numel() - 1
+    below = _searched(knots, x) - 1  # knots[below] <= x < knots[below + 1]
+    interval = below.clamp(0, last - 1)
+    left_knot, left_value = knots[interval], values[interval]
+    slope = (values[interval + 1] - left_value) / (knots[interval + 1] - left_knot)
+    inside = slope * (x - left_knot) + left_value
+    result = torch.where(x == left_knot, left_value, inside)
+    result = torch.where(below < 0, values[0], result)
+    result = torch.where(x >= knots[last], values[last], result)
+    if right is not None:
+        result = torch.where(x > knots[last], torch.as_tensor(float(right), dtype=torch.float64,
+                                                               device=x.device), result)
+    return torch.where(torch.isnan(x), x, result)
+
+
+def _searched(knots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``torch.searchsorted(knots, x, right=True)`` in ``x``'s own layout: a block of a volume-major series is
+    searched with its axes in memory order (a view, contiguous), not copied to C order first."""
+    order = sorted(range(x.dim()), key=lambda axis: x.stride(axis), reverse=True)
+    in_memory_order = x.permute(order)
+    if not in_memory_order.is_contiguous():
+        in_memory_order = in_memory_order.contiguous()
+    back = sorted(range(x.dim()), key=lambda axis: order[axis])
+    return torch.searchsorted(knots, in_memory_order, right=True).permute(back)
+
+
+def stabilized(y: torch.Tensor, knots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``noise_floor.MagnitudeStabilizer.forward`` of y = m / sigma, float64: piecewise linear through the
+    tables, straight beyond them with the end slopes."""
+    y = y.to(torch.float64)
+    x = interpolated(y, knots, values)
+    low_slope = (values[1] - values[0]) / (knots[1] - knots[0])
+    high_slope = (values[-1] - values[-2]) / (knots[-1] - knots[-2])
+    x = torch.where(y < knots[0], values[0] + (y - knots[0]) * low_slope, x)
+    return torch.where(y > knots[-1], values[-1] + (y - knots[-1]) * high_slope, x)
+
+
+def unstabilized(x: torch.Tensor, expected: torch.Tensor, thetas: torch.Tensor) -> torch.Tensor:
+    """``noise_floor.MagnitudeStabilizer.inverse``: theta whose E[f(y) | theta] is x, float64 (0 below the
+    table; straight beyond it)."""
+    x = x.to(torch.float64)
+    theta = interpolated(x, expected, thetas)
+    high_slope = (thetas[-1] - thetas[-2]) / (expected[-1] - expected[-2])
+    return torch.where(x > expected[-1], thetas[-1] + (x - expected[-1]) * high_slope, theta)
+
+
+# -- the magnitude noise floor (``noise_floor``) ---------------------------------------------------------
+
+def stabilize_series(data: np.ndarray, scale: np.ndarray, transform, device, block_values=None) -> np.ndarray:
+    """x = f(``data`` / ``scale``) (float32, ``data``'s shape and order): ``denoise_magnitude``'s transform,
+    ``scale`` the (X, Y, Z) float32 sigma map and ``transform`` a ``MagnitudeStabilizer``."""
+    device = torch_device(device)
+    knots, values = _table(transform.knots, device), _table(transform.values, device)
+    out = np.empty(data.shape, np.float32, order="F" if is_volume_major(data) else "C")
+    for index in series_blocks(data, block_values=block_values):
+        y = upload(data[index], device) / upload(scale[index[:3]], device)[..., None]  # float32, as NumPy
+        download(stabilized(y, knots, values).to(torch.float32), out[index])
+    return out
+
+
+def unstabilize_series(signal: np.ndarray, scale: np.ndarray, transform, device, block_values=None) -> None:
+    """In place: ``signal`` (the denoised x, float32) becomes theta * ``scale`` (float32), theta the
+    ``transform``'s inverse (``denoise_magnitude``'s last step; ``scale`` 0 where the output is 0)."""
+    device = torch_device(device)
+    expected, thetas = _table(transform.expected, device), _table(transform.thetas, device)
+    for index in series_blocks(signal, block_values=block_values):
+        theta = unstabilized(upload(signal[index], device), expected, thetas).to(torch.float32)
+        download(theta * upload(scale[index[:3]], device)[..., None], signal[index])
+
+
+def noise_level(sigma_mp: np.ndarray, mean_magnitude: np.ndarray, means, variances, bisections: int, device,
+                block_values=None) -> np.ndarray:
+    """``noise_floor.noise_level_from_magnitude``'s bisection (``_bisected_noise_level``) of every voxel,
+    (X, Y, Z) float64: ``sigma_mp`` MP-PCA's noise map, ``mean_magnitude`` the denoised (X, Y, Z, T) series,
+    ``means`` and ``variances`` the tables of mu(theta) and s^2(theta). A block's time courses stay on the
+    device through the ``bisections`` steps; the spread s^2 is rounded to float32 as the NumPy code stores
+    it, and its mean over volumes summed in float64."""
+    device = torch_device(device)
+    means, variances = _table(means, device), _table(variances, device)
+    sigma_mp = np.asarray(sigma_mp, np.float64)
+    sigma = np.zeros(sigma_mp.shape)
+    for index in series_blocks(mean_magnitude, whole="time courses", block_values=block_values):
+        magnitudes = upload(mean_magnitude[index], device)
+        spread_mp = upload(sigma_mp[index[:3]], device)
+        positive = spread_mp > 0
+        low = torch.where(positive, spread_mp, torch.ones_like(spread_mp))
+        high = low / math.sqrt(float(variances[0]))
+        target = low**2
+        for _ in range(bisections):
+            middle = torch.sqrt(low * high)
+            mu = magnitudes / middle.to(torch.float32)[..., None]
+            # s^2 as a function of the mean: that of theta = 0 below mu(0), 1 above the table
+            spread = interpolated(mu, means, variances, right=1.0).to(torch.float32)
+            too_large = middle**2 * spread.to(torch.float64).mean(dim=-1) > target
+            high, low = torch.where(too_large, middle, high), torch.where(too_large, low, middle)
+        download(torch.where(positive, torch.sqrt(low * high), torch.zeros_like(low)), sigma[index[:3]])
+    return sigma
+
+
+# -- complex data (``complex_data``) ---------------------------------------------------------------------
+
+def modulated(magnitude: torch.Tensor, radians: torch.Tensor) -> torch.Tensor:
+    """S = m e^{i phase}, complex64, 0 where the magnitude is NaN or Inf (``denoise_complex``'s step 1)."""
+    finite_magnitude = torch.where(torch.isfinite(magnitude), magnitude, torch.zeros_like(magnitude))
+    return torch.polar(finite_magnitude, radians.to(finite_magnitude.dtype))
+
+
+def background_phase_of(image: torch.Tensor, window: torch.Tensor, passes: int) -> torch.Tensor:
+    """``complex_data.background_phase`` of a block of whole slices, (X, Y, z, t) complex64: per slice and
+    volume, the angle of the image filtered in k-space by the 2D Hann ``window`` (X, Y), ``passes`` times on
+    the residual; float32, wrapped to [-pi, pi)."""
+    phase = torch.zeros(image.shape, dtype=torch.float32, device=image.device)
+    window = window[:, :, None, None]
+    for _ in range(passes):
+        spectrum = torch.fft.fft2(image * torch.polar(torch.ones_like(phase), -phase), dim=(0, 1))
+        phase += torch.angle(torch.fft.ifft2(spectrum * window, dim=(0, 1)))
+    return wrapped(phase)
+
+
+def wrapped(phase: torch.Tensor) -> torch.Tensor:
+    """The angle ``phase`` wrapped to [-pi, pi), as NumPy's mod(phase + pi, 2 pi) - pi."""
+    return torch.remainder(phase + math.pi, 2 * math.pi) - math.pi
+
+
+def _window(shape, width, device):
+    from ..complex_data import hann_window
+
+    window = hann_window(shape[0], width)[:, None] * hann_window(shape[1], width)[None, :]
+    return torch.as_tensor(window, dtype=torch.float32, device=device)
+
+
+def complex_parts(magnitude: np.ndarray, radians: np.ndarray | None = None, image: np.ndarray | None = None, *,
+                  device, block_values=None) -> np.ndarray:
+    """The real and imaginary parts of S = ``magnitude`` e^{i ``radians``} (or of the complex64 ``image``) as
+    one (X, Y, Z, 2T) float32 series in ``magnitude``'s order, real parts first: the series that
+    ``phase_method="mppca"`` denoises first."""
+    device = torch_device(device)
+    n_volumes = magnitude.shape[3]
+    parts = np.empty(magnitude.shape[:3] + (2 * n_volumes,), np.float32,
+                     order="F" if is_volume_major(magnitude) else "C")
+    for index in series_blocks(magnitude, block_values=block_values):
+        block_image = (upload(image[index], device) if image is not None
+                       else modulated(upload(magnitude[index], device), upload(radians[index], device)))
+        first, last, _ = index[3].indices(n_volumes)
+        download(block_image.real, parts[index[:3] + (slice(first, last),)])
+        download(block_image.imag, parts[index[:3] + (slice(first + n_volumes, last + n_volumes),)])
+    return parts
+
+
+def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, image: np.ndarray | None = None,
+                      smoothed: np.ndarray | None = None, *, width: float, passes: int, device, block_values=None):
+    """``denoise_complex``'s steps 1-3 on the device, slab by slab of z-planes.
+
+    S = ``magnitude`` e^{i ``radians``} (or the complex64 ``image`` itself, its non-finite values 0); phi its
+    background phase (``background_phase_of``), or that of ``smoothed`` (the (X, Y, Z, 2T) first pass of
+    ``phase_method="mppca"``: real parts, then imaginary); R = Re(S e^{-i phi}) (the magnitude where it is
+    NaN or Inf), I = Im(S e^{-i phi}). Returns (R, phi, the mean over volumes of I^2 per voxel (X, Y, Z)
+    float64): R and phi float32 in ``magnitude``'s order.
+    """
+    device = torch_device(device)
+    window = _window(magnitude.shape, width, device)
+    n_volumes = magnitude.shape[3]
+    order = "F" if is_volume_major(magnitude) else "C"
+    real, phase = (np.empty(magnitude.shape, np.float32, order=order) for _ in range(2))
+    imaginary_power = np.empty(magnitude.shape[:3])
+    for index in series_blocks(magnitude, whole="slices", block_values=block_values):
+        block_magnitude = upload(magnitude[index], device)
+        block_image = (upload(image[index], device) if image is not None
+                       else modulated(block_magnitude, upload(radians[index], device)))
+        if smoothed is None:
+            phi = background_phase_of(block_image, window, passes)
+        else:
+            slab = index[:3]
+            first = torch.complex(upload(smoothed[slab + (slice(0, n_volumes),)], device),
+                                  upload(smoothed[slab + (slice(n_volumes, None),)], device))
+            phi = background_phase_of(first, window, passes)
+        demodulated = block_image * torch.polar(torch.ones_like(phi), -phi)
+        # NaN/Inf stay where the engine expects them
+        download(torch.where(torch.isfinite(block_magnitude), demodulated.real, block_magnitude), real[index])
+        download(phi, phase[index])
+        download(torch.square(demodulated.imag.to(torch.float64)).mean(dim=-1), imaginary_power[index[:3]])
+    return real, phase, imaginary_power
+
+
+def remodulate_series(denoised: np.ndarray, background: np.ndarray, mask: np.ndarray, magnitude_out: str, device,
+                      block_values=None):
+    """``denoise_complex``'s step 5: (the magnitude max(R_hat, 0) or |R_hat| (``magnitude_out`` "clip" or
+    "abs"), the phase of R_hat e^{i phi} wrapped to [-pi, pi), 0 outside the (X, Y, Z) ``mask``), float32 in
+    ``denoised``'s order; ``background`` phi."""
+    device = torch_device(device)
+    order = "F" if is_volume_major(denoised) else "C"
+    magnitude, phase = (np.empty(denoised.shape, np.float32, order=order) for _ in range(2))
+    for index in series_blocks(denoised, block_values=block_values):
+        values, phi = upload(denoised[index], device), upload(background[index], device)
+        inside = upload(mask[index[:3]], device)[..., None]
+        turned = wrapped(torch.where(values >= 0, phi, phi + np.float32(math.pi)))
+        download(torch.where(inside, turned, torch.zeros_like(turned)), phase[index])
+        download(values.abs() if magnitude_out == "abs" else values.clamp(min=0), magnitude[index])
+    return magnitude, phase

@@ -1,0 +1,252 @@
+"""The steps around the engine on the device (``engine.gpu.series_steps``) against their NumPy code: complex
+data's modulation, background phase, demodulation and remodulation, the noise floor's transforms and noise
+level. Run here with torch on the CPU, on series in either memory order, in blocks smaller than the series
+(a block boundary inside it); the marked ``gpu`` tests run the whole pipelines on a CUDA device against
+``device="cpu"``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mppca_nipype import denoise, denoise_complex  # noqa: E402
+from mppca_nipype.engine import steps_device  # noqa: E402
+from mppca_nipype.engine.complex_data import _demodulated, _remodulated  # noqa: E402
+from mppca_nipype.engine.gpu import series_steps  # noqa: E402
+from mppca_nipype.engine.noise_floor import noise_level_from_magnitude, stabilizer  # noqa: E402
+from mppca_nipype.phantoms import complex_dwi_phantom, dwi_phantom  # noqa: E402
+
+CPU = torch.device("cpu")
+#: Small blocks: the series below run in several, one boundary inside a slab axis.
+BLOCK = 2 * 7 * 5 * 3
+#: pi rounded to float32 (above pi): a float32 phase wrapped to [-pi, pi) lies within +-PI.
+PI = float(np.float32(math.pi))
+
+
+def in_order(array, order):
+    return np.asarray(array, order=order)
+
+
+def wrapped_difference(a, b):
+    return np.angle(np.exp(1j * (a.astype(np.float64) - b)))
+
+
+def smooth_complex(shape, seed, order):
+    """A magnitude (positive, with a NaN and an Inf value) and a smooth phase in radians with a little noise:
+    its filtered image is far from 0 everywhere, so the background phase is well defined."""
+    rng = np.random.default_rng(seed)
+    x, y, z, t = np.meshgrid(*(np.arange(n) for n in shape), indexing="ij")
+    magnitude = (1 + rng.uniform(0, 1, shape)).astype(np.float32)
+    phase = np.angle(np.exp(1j * (0.4 * x - 0.3 * y + 0.2 * z + 0.5 * t + 0.05 * rng.standard_normal(shape))))
+    magnitude[1, 2, 0, 0] = np.nan
+    magnitude[-1, -1, -1, -1] = np.inf
+    return in_order(magnitude, order), in_order(phase.astype(np.float32), order)
+
+
+# -- blocks ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("whole", [None, "time courses", "slices"])
+def test_the_blocks_cover_the_series_once_within_their_size(order, whole):
+    series = in_order(np.zeros((7, 5, 4, 3), np.float32), order)
+    counts = np.zeros(series.shape, int)
+    blocks = series_steps.series_blocks(series, whole, block_values=BLOCK)
+    for index in blocks:
+        counts[index] += 1
+        block = series[index]
+        assert block.size <= BLOCK
+        if whole is None:  # one contiguous piece of memory
+            assert block.flags.c_contiguous or block.flags.f_contiguous
+        if whole is not None:
+            assert block.shape[3] == 3
+        if whole == "slices":
+            assert block.shape[:2] == (7, 5)
+    assert len(blocks) > 1 and (counts == 1).all()
+
+
+# -- interpolation and the noise floor's transforms ----------------------------------------------------------
+
+def test_interpolation_is_numpys_at_the_knots_between_them_beyond_them_and_at_nan():
+    knots = np.array([0.5, 1.0, 1.0, 2.0, 4.0])
+    values = np.array([0.0, 1.0, 1.5, 1.7, 3.0])
+    x = np.array([-np.inf, -1, 0.5, 0.7, 1.0, 1.5, 2.0, 3.9, 4.0, 4.1, np.inf, np.nan])
+    for right in (None, 9.0):
+        got = series_steps.interpolated(torch.as_tensor(x), torch.as_tensor(knots), torch.as_tensor(values),
+                                        right=right).numpy()
+        np.testing.assert_array_equal(got, np.interp(x, knots, values, right=right))
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("coils", [1, 4])
+def test_the_transform_and_its_inverse_on_the_device_are_numpys(order, coils):
+    """x = f(m / sigma) and theta * sigma from the inverse: at 0, inside the tables, beyond their ends, at NaN
+    and Inf, in blocks: equal to the NumPy transforms to float32 rounding."""
+    transform = stabilizer(coils)
+    rng = np.random.default_rng(1)
+    data = rng.uniform(0, 80, (7, 5, 4, 3)).astype(np.float32)  # sigma ~1.2: y up to ~160, the table ends at ~40
+    data[0, 0, 0, :] = [0.0, 1e-3, 1e4]
+    data[1, 1, 1, 1], data[2, 2, 2, 2] = np.nan, np.inf
+    data = in_order(data, order)
+    scale = rng.uniform(0.5, 2, data.shape[:3]).astype(np.float32)
+    stabilized = series_steps.stabilize_series(data, scale, transform, CPU, block_values=BLOCK)
+    expected = transform.forward(data / scale[..., None]).astype(np.float32)
+    np.testing.assert_allclose(stabilized, expected, rtol=1e-6, atol=1e-6)
+    assert stabilized.flags.f_contiguous == (order == "F")
+    denoised = stabilized - 0.7  # some below E[f | 0]: theta 0 there
+    denoised[3, 3, 3, 0] = -50.0
+    signal = denoised.copy(order="K")
+    series_steps.unstabilize_series(signal, scale, transform, CPU, block_values=BLOCK)
+    expected = transform.inverse(denoised).astype(np.float32) * scale[..., None]
+    np.testing.assert_allclose(signal, expected, rtol=1e-6, atol=1e-6)
+    assert signal[3, 3, 3, 0] == 0 and np.isnan(signal[1, 1, 1, 1]) and np.isinf(signal[2, 2, 2, 2])
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("coils", [1, 4])
+def test_the_noise_level_on_the_device_is_numpys(order, coils):
+    rng = np.random.default_rng(5)
+    means = in_order(rng.uniform(0, 30, (13, 7, 5, 11)).astype(np.float32), order)
+    means[4, 2, 1, :5] = 0  # a background voxel: mu below mu(0)
+    spread = rng.uniform(0.5, 3, (13, 7, 5))
+    spread[2, 3, 4] = 0  # stays 0
+    on_host = noise_level_from_magnitude(spread, means, coils, threads=1)
+    blocks = len(series_steps.series_blocks(means, "time courses", block_values=3 * 7 * 5 * 11))
+    assert blocks > 1
+    from mppca_nipype.engine import noise_floor
+
+    thetas = np.arange(0, noise_floor.THETA_MAX + noise_floor.THETA_STEP / 2, noise_floor.THETA_STEP)
+    on_device = series_steps.noise_level(spread, means, noise_floor.magnitude_mean(thetas, coils),
+                                         np.square(noise_floor.magnitude_sd(thetas, coils)),
+                                         noise_floor.SIGMA_BISECTIONS, CPU, block_values=3 * 7 * 5 * 11)
+    np.testing.assert_allclose(on_device, on_host, rtol=1e-5)
+    assert on_device[2, 3, 4] == 0
+    np.testing.assert_allclose(noise_level_from_magnitude(spread, means, coils, device=CPU), on_host, rtol=1e-5)
+
+
+# -- complex data ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("n_volumes", [1, 3])
+def test_the_demodulation_on_the_device_is_numpys(order, n_volumes):
+    """S = m e^{i phase} built on the device, its background phase (complex64 there, complex128 in NumPy),
+    R and the mean square of I per voxel: the phase within 1e-5 rad rms, R within 1e-5 of the magnitude."""
+    magnitude, radians = smooth_complex((7, 5, 4, n_volumes), seed=2, order=order)
+    real, phase, imaginary = _demodulated(magnitude, radians, None, phase_method="hann", width=0.375, passes=3,
+                                          threads=1, first_pass=None, lap=None)
+    two_slices = 2 * 7 * 5 * n_volumes  # a block of two z-planes: two blocks
+    on_device = series_steps.demodulate_series(magnitude, radians, width=0.375, passes=3, device=CPU,
+                                               block_values=two_slices)
+    assert len(series_steps.series_blocks(magnitude, "slices", block_values=two_slices)) == 2
+    device_real, device_phase, device_power = on_device
+    assert device_real.flags.f_contiguous == device_phase.flags.f_contiguous == (order == "F")
+    difference = wrapped_difference(device_phase, phase)
+    assert np.sqrt(np.mean(difference**2)) < 1e-5
+    assert device_phase.min() >= -PI and device_phase.max() <= PI
+    finite = np.isfinite(magnitude)
+    np.testing.assert_allclose(device_real[finite], real[finite], atol=1e-5 * 2)
+    np.testing.assert_array_equal(device_real[~finite], magnitude[~finite])  # NaN/Inf kept for the engine
+    np.testing.assert_allclose(device_power, np.mean(np.square(imaginary, dtype=np.float64), axis=3),
+                               rtol=1e-4, atol=1e-10)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_a_complex_series_and_a_first_pass_demodulate_on_the_device_as_with_numpy(order):
+    """The complex series given (not built from magnitude and phase), and the background phase taken from a
+    smoothed (X, Y, Z, 2T) series of real and imaginary parts (``phase_method="mppca"``)."""
+    magnitude, radians = smooth_complex((9, 7, 3, 4), seed=3, order=order)
+    finite = np.isfinite(magnitude)
+    image = in_order(np.where(finite, magnitude, 0) * np.exp(1j * radians), order).astype(np.complex64)
+    parts = series_steps.complex_parts(magnitude, radians, device=CPU, block_values=BLOCK)
+    np.testing.assert_allclose(parts, np.concatenate([image.real, image.imag], axis=3), atol=1e-6)
+    np.testing.assert_allclose(series_steps.complex_parts(magnitude, image=image, device=CPU), parts, atol=1e-6)
+    smoothed = parts * np.float32(0.9)  # (a stand-in for the first pass's denoised parts)
+    real, phase, _ = _demodulated(magnitude, None, image.copy(order="K"), phase_method="mppca", width=0.5,
+                                  passes=2, threads=1, first_pass=lambda _: smoothed, lap=lambda _: None)
+    device_real, device_phase, _ = series_steps.demodulate_series(magnitude, image=image, smoothed=smoothed,
+                                                                  width=0.5, passes=2, device=CPU,
+                                                                  block_values=BLOCK)
+    assert np.sqrt(np.mean(wrapped_difference(device_phase, phase) ** 2)) < 1e-5
+    np.testing.assert_allclose(device_real[finite], real[finite], atol=2e-5)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("magnitude_out", ["clip", "abs"])
+def test_the_remodulation_on_the_device_is_numpys(order, magnitude_out):
+    rng = np.random.default_rng(4)
+    denoised = in_order(rng.standard_normal((7, 5, 4, 3)).astype(np.float32), order)
+    denoised[0, 1, 2, 1] = np.nan
+    background = in_order(rng.uniform(-math.pi, math.pi, denoised.shape).astype(np.float32), order)
+    background[0, 0, 0, :] = [-math.pi, np.nextafter(np.float32(math.pi), 0), 0]
+    mask = rng.uniform(size=denoised.shape[:3]) < 0.7
+    magnitude, phase = series_steps.remodulate_series(denoised, background, mask, magnitude_out, CPU,
+                                                      block_values=BLOCK)
+    expected_magnitude, expected_phase = _remodulated(denoised, background.copy(order="K"), mask, magnitude_out,
+                                                      threads=1)
+    np.testing.assert_array_equal(magnitude, expected_magnitude)
+    assert np.abs(wrapped_difference(phase, expected_phase)).max() < 1e-6
+    assert (phase[~mask] == 0).all() and phase.min() >= -PI and phase.max() <= PI
+    assert magnitude.flags.f_contiguous == phase.flags.f_contiguous == (order == "F")
+
+
+# -- where they run ----------------------------------------------------------------------------------------
+
+def test_the_steps_run_on_the_host_with_the_cpu_engine():
+    options = dict(extent="wide", stride=3, estimator="exp2", aggregation="weighted", demean="volume",
+                   filter="hard")
+    assert steps_device("cpu", (12, 12, 10, 20), options) == "cpu"
+    magnitude, phase = complex_dwi_phantom((12, 12, 8), 16, sigma=50.0, seed=1)[:2]
+    assert denoise_complex(magnitude, phase, device="cpu", nprocs=1).info["steps_device"] == "cpu"
+
+
+# -- on a CUDA device: the whole pipelines against the CPU's ----------------------------------------------
+
+@pytest.fixture
+def cuda():
+    from mppca_nipype.engine.gpu import usable
+
+    reason = usable()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def assert_agree(gpu, cpu, mask=None):
+    """The engines' tolerances: the denoised series within 1e-4 rms (relative), ranks equal at >= 99.5%."""
+    finite = np.isfinite(cpu.denoised)
+    assert (np.isfinite(gpu.denoised) == finite).all()
+    difference = gpu.denoised[finite].astype(np.float64) - cpu.denoised[finite]
+    assert np.sqrt(np.mean(difference**2)) <= 1e-4 * np.sqrt(np.mean(np.square(cpu.denoised[finite], dtype=float)))
+    inside = cpu.sigma > 0 if mask is None else mask
+    assert np.mean(gpu.rank[inside] == cpu.rank[inside]) >= 0.995
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("phase_method", ["hann", "mppca"])
+def test_complex_denoising_on_the_gpu_agrees_with_the_cpu(cuda, order, phase_method):
+    magnitude, phase = (in_order(a, order) for a in complex_dwi_phantom((40, 36, 20), 30, sigma=100.0,
+                                                                         seed=6)[:2])
+    gpu = denoise_complex(magnitude, phase, device="cuda", phase_method=phase_method)
+    cpu = denoise_complex(magnitude, phase, device="cpu", nprocs=4, phase_method=phase_method)
+    assert gpu.info["steps_device"] == "cuda" and cpu.info["steps_device"] == "cpu"
+    assert_agree(gpu, cpu)
+    strong = gpu.denoised > 5 * 100.0
+    assert np.sqrt(np.mean(wrapped_difference(gpu.phase, cpu.phase)[strong] ** 2)) < 1e-4
+    assert gpu.info["imaginary_sd_ratio"] == pytest.approx(cpu.info["imaginary_sd_ratio"], rel=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("noise_floor, coils", [("rician", 1), ("ncchi", 4)])
+def test_a_noise_floor_on_the_gpu_agrees_with_the_cpu(cuda, order, noise_floor, coils):
+    noisy = in_order(dwi_phantom(shape=(40, 36, 20), n_volumes=30, sigma=200.0, rician=True, seed=3)[0], order)
+    gpu = denoise(noisy, device="cuda", noise_floor=noise_floor, coils=coils)
+    cpu = denoise(noisy, device="cpu", nprocs=4, noise_floor=noise_floor, coils=coils)
+    assert gpu.info["steps_device"] == "cuda" and cpu.info["steps_device"] == "cpu"
+    assert_agree(gpu, cpu)
+    inside = cpu.sigma > 0
+    assert np.sqrt(np.mean((gpu.sigma[inside] / cpu.sigma[inside] - 1) ** 2)) <= 1e-4
