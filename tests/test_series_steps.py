@@ -250,3 +250,30 @@ def test_a_noise_floor_on_the_gpu_agrees_with_the_cpu(cuda, order, noise_floor, 
     assert_agree(gpu, cpu)
     inside = cpu.sigma > 0
     assert np.sqrt(np.mean((gpu.sigma[inside] / cpu.sigma[inside] - 1) ** 2)) <= 1e-4
+
+
+# -- the input checks' reductions -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_negative_values_are_counted_inside_the_mask_on_any_number_of_threads(order, masked):
+    from mppca_nipype.engine import count_negative
+
+    rng = np.random.default_rng(7)
+    data = in_order(rng.standard_normal((9, 6, 5, 4)).astype(np.float32), order)
+    data[0, 0, 0, 0] = np.nan
+    mask = rng.uniform(size=data.shape[:3]) < (0.6 if masked else 2)
+    with np.errstate(invalid="ignore"):
+        expected = int(np.count_nonzero(data[mask] < 0))
+    assert count_negative(data, mask, threads=1) == count_negative(data, mask, threads=3) == expected
+
+
+def test_the_value_range_is_numpys_and_nan_where_a_value_is_nan(monkeypatch):
+    from mppca_nipype import engine
+
+    monkeypatch.setattr(engine, "RANGE_CHUNK", 7)  # many chunks
+    values = np.random.default_rng(8).uniform(-3, 5, (11, 6, 4))
+    assert engine.value_range(values, threads=3) == (values.min(), values.max())
+    assert engine.value_range(values[:, ::2], threads=2) == (values[:, ::2].min(), values[:, ::2].max())
+    values[4, 1, 2] = np.nan
+    assert all(math.isnan(bound) for bound in engine.value_range(values, threads=3))

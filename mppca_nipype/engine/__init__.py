@@ -25,7 +25,7 @@ from .errors import GPUOutOfMemoryError, MPPCAInputError, MPPCAWarning, is_out_o
 from .estimators import AGGREGATIONS, DEMEANING, ESTIMATORS, FILTERS
 from .groups import GROUP_DEMEANING, denoise_by_groups, shell_labels
 from .noise_floor import NOISE_FLOORS, check_noise_floor, denoise_magnitude
-from .layout import as_float32, empty_like_series, is_volume_major, planes_of_rows
+from .layout import as_float32, empty_like_series, in_parts, is_volume_major, planes_of_rows
 from .maps import MAPS, removed_variance, resolve_maps
 from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
 
@@ -204,6 +204,45 @@ def check_data(data, mask):
                 f"the mask's shape {mask.shape} does not match the image's {data.shape[:3]}")
         mask = mask != 0
     return as_float32(data), mask
+
+
+def count_negative(data, mask, threads=None) -> int:
+    """How many values of the 4D ``data`` (contiguous, either order) lie below 0 in the voxels of the (X, Y, Z)
+    bool ``mask`` (NaN is not), counted in slabs along the slowest axis in memory on threads
+    (``layout.in_parts``): one pass, the masked values not gathered into a copy."""
+    volume_major = is_volume_major(data)
+    inside = None if mask.all() else mask[..., None]
+    counts = []
+
+    def count(part):
+        where = (Ellipsis, part) if volume_major else (part,)
+        with np.errstate(invalid="ignore"):
+            below = data[where] < 0
+        if inside is not None:
+            below &= inside if volume_major else inside[part]
+        counts.append(int(np.count_nonzero(below)))
+
+    in_parts(count, data.shape[3] if volume_major else data.shape[0], data.size, threads)
+    return sum(counts)
+
+
+#: Values a thread reduces at a time (``value_range``).
+RANGE_CHUNK = 1 << 20
+
+
+def value_range(values, threads=None) -> tuple[float, float]:
+    """(min, max) of an array, both NaN where a value is NaN, in chunks on threads (``layout.in_parts``)."""
+    flat = values.reshape(-1, order="A") if values.flags.c_contiguous or values.flags.f_contiguous else values.ravel()
+    lows, highs = [], []
+
+    def ranges(chunks):
+        for start in range(chunks.start * RANGE_CHUNK, min(chunks.stop * RANGE_CHUNK, flat.size), RANGE_CHUNK):
+            piece = flat[start:start + RANGE_CHUNK]
+            lows.append(piece.min())
+            highs.append(piece.max())
+
+    in_parts(ranges, -(-flat.size // RANGE_CHUNK), flat.size, threads)
+    return float(np.min(lows)), float(np.max(highs))
 
 
 def check_nprocs(nprocs) -> None:

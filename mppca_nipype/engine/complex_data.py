@@ -105,11 +105,13 @@ def phase_in_radians(phase, shape=None):
         raise MPPCAInputError(f"the phase's shape {phase.shape} does not match the magnitude's {tuple(shape)}")
     if not (np.issubdtype(phase.dtype, np.floating) or np.issubdtype(phase.dtype, np.integer)):
         raise MPPCAInputError(f"the phase must hold real numbers, not {phase.dtype}")
-    finite = np.isfinite(phase)
-    if not finite.all():
+    from . import value_range
+
+    low, high = value_range(phase)
+    if not (math.isfinite(low) and math.isfinite(high)):  # (a NaN makes both NaN)
+        finite = np.isfinite(phase)
         first = tuple(int(i) for i in np.argwhere(~finite)[0])
         raise MPPCAInputError(f"the phase is NaN or Inf at {int((~finite).sum())} of its values, the first at {first}")
-    low, high = float(phase.min()), float(phase.max())
     if low >= -math.pi - RADIANS_SLACK and high <= 2 * math.pi + RADIANS_SLACK:
         return phase.astype(np.float32, copy=False), "radians"
     whole = np.array_equal(phase, np.round(phase))
@@ -211,7 +213,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     -------
     ComplexDenoiseResult
     """
-    from . import DEFAULTS, check_data, denoise, steps_device
+    from . import DEFAULTS, _finite_voxels, check_data, count_negative, denoise, steps_device
 
     options = {name: DEFAULTS[name] if value is None else value
                for name, value in dict(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
@@ -243,8 +245,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
             raise MPPCAInputError("the magnitude needs its phase (or give the complex series itself)")
         magnitude, mask = check_data(magnitude, mask)
         radians, units = phase_in_radians(phase, magnitude.shape)
-        with np.errstate(invalid="ignore"):
-            negative = int(np.count_nonzero(magnitude[mask] < 0))
+        negative = count_negative(magnitude, mask, threads)
         if negative:
             raise MPPCAInputError(f"the magnitude has {negative} negative values; with a phase it must be the "
                                   "modulus of the complex image")
@@ -270,7 +271,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     del real
     lap("denoise")
     denoised = result.denoised
-    served = mask & np.isfinite(denoised).all(axis=3) & (result.sigma > 0)
+    served = mask & _finite_voxels(denoised) & (result.sigma > 0)
     ratio = None
     if served.any():
         rms = (np.sqrt(imaginary_power[served]) if on_gpu

@@ -277,15 +277,14 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     (where the transforms and the noise level ran: "cuda", with torch where the GPU engine runs, or "cpu",
     with NumPy) and ``seconds`` by step.
     """
-    from . import check_data, denoise, resolve_noise, steps_device
+    from . import _finite_voxels, check_data, count_negative, denoise, resolve_noise, steps_device
 
     data, mask = check_data(data, mask)
     check_noise_floor(noise_floor, coils)
     if noise_floor == "none":
         raise MPPCAInputError("denoise_magnitude needs a noise floor model, 'rician' or 'ncchi'")
     resolve_noise(noise, data.shape[:3], mask)  # checked before any work
-    with np.errstate(invalid="ignore"):
-        negative = int(np.count_nonzero(data[mask] < 0))
+    negative = count_negative(data, mask, run_options.get("nprocs"))
     if negative:
         raise MPPCAInputError(f"the input has {negative} negative values, but a noise floor models magnitude "
                               "images, which are never negative")
@@ -296,7 +295,7 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
         now = time.perf_counter()
         seconds[phase], last = round(now - last, 4), now
 
-    finite = np.isfinite(data).all(axis=3)
+    finite = _finite_voxels(data)
     threads = run_options.get("nprocs") or available_cpus()  # the host's part: transforms, the noise level
     # the transforms and the noise level run where the engine does: with torch on the GPU, else with NumPy here
     on_gpu = steps_device(run_options.get("device", "auto"), data.shape, denoise_options,
