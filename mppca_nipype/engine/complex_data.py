@@ -278,13 +278,14 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
                else np.sqrt(np.mean(np.square(imaginary[served], dtype=np.float64), axis=1)))
         ratio = float(np.median(rms / result.sigma[served]))
     if on_gpu:
-        from .gpu.series_steps import remodulate_series
+        from .gpu.series_steps import remodulated_phase
 
-        magnitude_denoised, out_phase = remodulate_series(denoised, background, mask, magnitude_out, "cuda")
+        out_phase = remodulated_phase(denoised, background, mask, "cuda")
     else:
         del imaginary
-        magnitude_denoised, out_phase = _remodulated(denoised, background, mask, magnitude_out, threads)
+        out_phase = _remodulated_phase(denoised, background, mask, threads)
     del background
+    magnitude_denoised = _denoised_magnitude(denoised, magnitude_out, threads)
     lap("remodulation")
     info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width),
                 phase_passes=int(phase_passes), phase_units=units, steps_device="cuda" if on_gpu else "cpu",
@@ -339,17 +340,30 @@ def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passe
     return demodulate_series(magnitude, radians, image, smoothed, width=width, passes=passes, device="cuda")
 
 
-def _remodulated(denoised, background, mask, magnitude_out, threads):
-    """``denoise_complex``'s step 5 with NumPy on ``threads`` threads: (the magnitude, the phase of
-    R_hat e^{i phi}, 0 outside the mask); the phase is ``background``, turned in place."""
+def _remodulated_phase(denoised, background, mask, threads):
+    """``denoise_complex``'s step 5, the phase, with NumPy on ``threads`` threads: that of R_hat e^{i phi},
+    0 outside the mask; ``background`` (phi) turned into it in place."""
     out_phase = background
-    magnitude_denoised = np.empty_like(denoised)
 
     def remodulate(s):
         turned = np.where(denoised[s] >= 0, background[s], background[s] + np.float32(math.pi))
         out_phase[s] = np.mod(turned + math.pi, 2 * math.pi) - math.pi
-        magnitude_denoised[s] = np.abs(denoised[s]) if magnitude_out == "abs" else np.maximum(denoised[s], 0)
 
     _by_slabs(remodulate, denoised, threads)
     out_phase[~mask] = 0
-    return magnitude_denoised, out_phase
+    return out_phase
+
+
+def _denoised_magnitude(denoised, magnitude_out, threads):
+    """``denoise_complex``'s step 5, the magnitude: max(R_hat, 0) (``magnitude_out="clip"``) or |R_hat|
+    (``"abs"``), on ``threads`` threads (on either engine: one cheap pass over the series)."""
+    magnitude = np.empty_like(denoised)
+
+    def take(s):
+        if magnitude_out == "abs":
+            np.abs(denoised[s], out=magnitude[s])
+        else:
+            np.maximum(denoised[s], 0, out=magnitude[s])
+
+    _by_slabs(take, denoised, threads)
+    return magnitude

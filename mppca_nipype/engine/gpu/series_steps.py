@@ -60,6 +60,17 @@ def series_blocks(series: np.ndarray, whole: str | None = None, block_values: in
     return blocks
 
 
+def host_series(shape, volume_major: bool, device) -> np.ndarray:
+    """An uninitialised float32 NumPy series of ``shape`` (volume-major or not) for a step's result that
+    goes back to the device: in page-locked memory where ``device`` is a GPU (copied each way at the link's
+    speed, not through the driver's staging), else ordinary memory."""
+    if torch.device(device).type != "cuda":
+        return np.empty(shape, np.float32, order="F" if volume_major else "C")
+    pinned = torch.empty(tuple(shape)[::-1] if volume_major else tuple(shape), dtype=torch.float32,
+                         pin_memory=True).numpy()
+    return pinned.T if volume_major else pinned
+
+
 def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A copy of the NumPy ``array`` (a block's view) on ``device``; never a view of the caller's memory."""
     return torch.from_numpy(np.asarray(array)).to(device, copy=True)
@@ -130,11 +141,12 @@ def unstabilized(x: torch.Tensor, expected: torch.Tensor, thetas: torch.Tensor) 
 # -- the magnitude noise floor (``noise_floor``) ---------------------------------------------------------
 
 def stabilize_series(data: np.ndarray, scale: np.ndarray, transform, device, block_values=None) -> np.ndarray:
-    """x = f(``data`` / ``scale``) (float32, ``data``'s shape and order): ``denoise_magnitude``'s transform,
-    ``scale`` the (X, Y, Z) float32 sigma map and ``transform`` a ``MagnitudeStabilizer``."""
+    """x = f(``data`` / ``scale``) (float32, ``data``'s shape and order, in page-locked memory on a GPU: it
+    goes to the engine, ``host_series``): ``denoise_magnitude``'s transform, ``scale`` the (X, Y, Z) float32
+    sigma map and ``transform`` a ``MagnitudeStabilizer``."""
     device = torch_device(device)
     knots, values = _table(transform.knots, device), _table(transform.values, device)
-    out = np.empty(data.shape, np.float32, order="F" if is_volume_major(data) else "C")
+    out = host_series(data.shape, is_volume_major(data), device)
     for index in series_blocks(data, block_values=block_values):
         y = upload(data[index], device) / upload(scale[index[:3]], device)[..., None]  # float32, as NumPy
         download(stabilized(y, knots, values).to(torch.float32), out[index])
@@ -238,13 +250,13 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
     background phase (``background_phase_of``), or that of ``smoothed`` (the (X, Y, Z, 2T) first pass of
     ``phase_method="mppca"``: real parts, then imaginary); R = Re(S e^{-i phi}) (the magnitude where it is
     NaN or Inf), I = Im(S e^{-i phi}). Returns (R, phi, the mean over volumes of I^2 per voxel (X, Y, Z)
-    float64): R and phi float32 in ``magnitude``'s order.
+    float64): R and phi float32 in ``magnitude``'s order, in page-locked memory on a GPU (they go back, to
+    the engine and to the remodulation: ``host_series``).
     """
     device = torch_device(device)
     window = _window(magnitude.shape, width, device)
     n_volumes = magnitude.shape[3]
-    order = "F" if is_volume_major(magnitude) else "C"
-    real, phase = (np.empty(magnitude.shape, np.float32, order=order) for _ in range(2))
+    real, phase = (host_series(magnitude.shape, is_volume_major(magnitude), device) for _ in range(2))
     imaginary_power = np.empty(magnitude.shape[:3])
     for index in series_blocks(magnitude, whole="slices", block_values=block_values):
         block_magnitude = upload(magnitude[index], device)
@@ -265,18 +277,16 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
     return real, phase, imaginary_power
 
 
-def remodulate_series(denoised: np.ndarray, background: np.ndarray, mask: np.ndarray, magnitude_out: str, device,
-                      block_values=None):
-    """``denoise_complex``'s step 5: (the magnitude max(R_hat, 0) or |R_hat| (``magnitude_out`` "clip" or
-    "abs"), the phase of R_hat e^{i phi} wrapped to [-pi, pi), 0 outside the (X, Y, Z) ``mask``), float32 in
-    ``denoised``'s order; ``background`` phi."""
+def remodulated_phase(denoised: np.ndarray, background: np.ndarray, mask: np.ndarray, device,
+                      block_values=None) -> np.ndarray:
+    """``denoise_complex``'s step 5, the phase: that of R_hat e^{i phi} (phi = ``background``; phi + pi where
+    R_hat = ``denoised`` is negative), wrapped to [-pi, pi), 0 outside the (X, Y, Z) ``mask``; float32 in
+    ``denoised``'s order."""
     device = torch_device(device)
-    order = "F" if is_volume_major(denoised) else "C"
-    magnitude, phase = (np.empty(denoised.shape, np.float32, order=order) for _ in range(2))
+    phase = np.empty(denoised.shape, np.float32, order="F" if is_volume_major(denoised) else "C")
     for index in series_blocks(denoised, block_values=block_values):
         values, phi = upload(denoised[index], device), upload(background[index], device)
         inside = upload(mask[index[:3]], device)[..., None]
         turned = wrapped(torch.where(values >= 0, phi, phi + np.float32(math.pi)))
         download(torch.where(inside, turned, torch.zeros_like(turned)), phase[index])
-        download(values.abs() if magnitude_out == "abs" else values.clamp(min=0), magnitude[index])
-    return magnitude, phase
+    return phase
