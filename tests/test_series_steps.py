@@ -69,11 +69,17 @@ def test_the_blocks_cover_the_series_once_within_their_size(order, whole):
     assert len(blocks) > 1 and (counts == 1).all()
 
 
-def test_a_series_for_the_host_keeps_the_memory_order_asked_for():
-    for volume_major in (False, True):
-        series = series_steps.host_series((7, 5, 4, 3), volume_major, CPU)
-        assert series.shape == (7, 5, 4, 3) and series.dtype == np.float32
-        assert series.flags.f_contiguous == volume_major and series.flags.c_contiguous != volume_major
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("whole", [None, "slices"])
+def test_blocks_go_to_the_device_and_back_in_their_layout(order, whole):
+    series = in_order(np.random.default_rng(9).standard_normal((7, 5, 4, 3)).astype(np.float32), order)
+    back = np.full_like(series, np.nan)
+    copies = series_steps.Transfers(CPU)
+    for index in series_steps.series_blocks(series, whole, block_values=BLOCK):
+        block = copies.upload(series[index])
+        assert block.shape == series[index].shape
+        copies.download(block.contiguous() * 2, back[index])  # (another layout than the staging's)
+    np.testing.assert_array_equal(back, 2 * series)
 
 
 # -- interpolation and the noise floor's transforms ----------------------------------------------------------
@@ -194,6 +200,75 @@ def test_the_remodulated_phase_on_the_device_is_numpys(order):
     assert np.abs(wrapped_difference(phase, expected)).max() < 1e-6
     assert (phase[~mask] == 0).all() and phase.min() >= -PI and phase.max() <= PI
     assert phase.flags.f_contiguous == (order == "F")
+
+
+# -- the pipelines with their steps in torch ----------------------------------------------------------------
+
+def torch_steps_on_the_cpu(monkeypatch):
+    """From here on, the pipelines take their steps' path for a GPU engine, with torch on the CPU."""
+    from mppca_nipype import engine
+
+    monkeypatch.setattr(engine, "steps_device", lambda *args, **kwargs: "cuda")
+    monkeypatch.setattr(series_steps, "torch_device", lambda device: CPU)
+
+
+def relative_rms(a, b, where=Ellipsis):
+    a, b = a[where].astype(np.float64), b[where].astype(np.float64)
+    return np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2))
+
+
+@pytest.mark.filterwarnings("ignore:.*NaN or Inf")
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("phase_method, given", [("hann", "phase"), ("mppca", "phase"), ("hann", "complex")])
+def test_complex_denoising_with_the_torch_steps_is_the_numpy_steps(monkeypatch, order, phase_method, given):
+    """On the same engine, the denoised magnitude within 1e-5 (relative rms), the phase within 1e-5 rad rms
+    where the signal is strong, and the same noise and rank maps, with a mask and a NaN voxel."""
+    magnitude, phase, truth = (in_order(a, order) for a in complex_dwi_phantom((17, 15, 9), 16, sigma=60.0,
+                                                                                seed=4)[:3])
+    magnitude[8, 7, 4, 6] = np.nan  # (inside the head)
+    mask = truth[..., 0] > 0
+    inputs = ((magnitude, phase) if given == "phase"
+              else (in_order(magnitude * np.exp(1j * phase), order).astype(np.complex64),))
+    options = dict(device="cpu", nprocs=1, phase_method=phase_method)
+    numpy_steps = denoise_complex(*inputs, mask=mask, **options)
+    torch_steps_on_the_cpu(monkeypatch)
+    torch_steps = denoise_complex(*inputs, mask=mask, **options)
+    assert numpy_steps.info["steps_device"] == "cpu" and torch_steps.info["steps_device"] == "cuda"
+    finite = np.isfinite(numpy_steps.denoised)
+    np.testing.assert_array_equal(np.isfinite(torch_steps.denoised), finite)
+    assert relative_rms(torch_steps.denoised, numpy_steps.denoised, finite) <= 1e-5
+    strong = numpy_steps.denoised > 5 * 60.0
+    assert np.sqrt(np.mean(wrapped_difference(torch_steps.phase, numpy_steps.phase)[strong] ** 2)) <= 1e-5
+    assert (torch_steps.phase[~mask] == 0).all()
+    np.testing.assert_allclose(torch_steps.sigma, numpy_steps.sigma, rtol=1e-4)
+    assert np.mean(torch_steps.rank == numpy_steps.rank) >= 0.995
+    assert torch_steps.info["imaginary_sd_ratio"] == pytest.approx(numpy_steps.info["imaginary_sd_ratio"],
+                                                                   rel=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:.*NaN or Inf")
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("noise_floor, coils, given", [("rician", 1, False), ("ncchi", 4, False),
+                                                        ("rician", 1, True)])
+def test_a_noise_floor_with_the_torch_steps_is_the_numpy_steps(monkeypatch, order, noise_floor, coils, given):
+    """On the same engine, the sigma map within 1e-5 and the denoised series within 1e-5 (relative rms),
+    with a mask and a NaN voxel kept as it was."""
+    noisy, truth, _, _ = dwi_phantom(shape=(17, 15, 9), n_volumes=16, sigma=200.0, rician=True, seed=3)
+    noisy = in_order(noisy, order)
+    noisy[8, 7, 4, 5] = np.nan  # (inside the head)
+    mask = truth[..., 0] > 0
+    options = dict(device="cpu", nprocs=1, noise_floor=noise_floor, coils=coils, noise=200.0 if given else None)
+    numpy_steps = denoise(noisy, mask, **options)
+    torch_steps_on_the_cpu(monkeypatch)
+    torch_steps = denoise(noisy, mask, **options)
+    assert numpy_steps.info["steps_device"] == "cpu" and torch_steps.info["steps_device"] == "cuda"
+    np.testing.assert_allclose(torch_steps.sigma, numpy_steps.sigma, rtol=1e-5)
+    finite = np.isfinite(numpy_steps.denoised)
+    np.testing.assert_array_equal(np.isfinite(torch_steps.denoised), finite)
+    assert mask[8, 7, 4] and np.isnan(torch_steps.denoised[8, 7, 4, 5])
+    assert relative_rms(torch_steps.denoised, numpy_steps.denoised, finite) <= 1e-5
+    assert (torch_steps.denoised[~mask] == 0).all()
+    assert torch_steps.denoised.flags.f_contiguous == (order == "F")
 
 
 # -- where they run ----------------------------------------------------------------------------------------

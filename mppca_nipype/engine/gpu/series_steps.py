@@ -7,8 +7,11 @@ torch, a block of the series at a time: the block is uploaded, computed on the d
 the NumPy output, so the device holds a few blocks' temporaries whatever the series' size. The blocks are
 slabs along the series' slowest axis in memory (x-planes of a voxel-major series, volumes of a volume-major
 one: each block one contiguous piece of memory), or slabs of z-planes where a step needs whole in-plane
-images (the FFT) or whole time courses (a sum over volumes). The NumPy functions stay the CPU engine's;
-these run where the GPU engine does, ``device`` any torch device (the tests run them on the CPU).
+images (the FFT) or whole time courses (a sum over volumes). A block goes each way through a page-locked
+staging buffer, copied on threads on the host (``Transfers``; as ``upload.StagedSeries`` does, for the
+same reason: a pageable copy runs at ~8 GB/s on the H200's host, a host copy scales with threads).
+The NumPy functions stay the CPU engine's; these run where the GPU engine does, ``device`` any torch device
+(the tests run them on the CPU).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from ..layout import is_volume_major
+from ..layout import in_parts, is_volume_major
 
 #: Values of the series in one block, at most (at least one plane of the slab's axis): 64 MB of float32; the
 #: steps' temporaries (complex64, float64) take a few times that on the device.
@@ -60,25 +63,61 @@ def series_blocks(series: np.ndarray, whole: str | None = None, block_values: in
     return blocks
 
 
-def host_series(shape, volume_major: bool, device) -> np.ndarray:
-    """An uninitialised float32 NumPy series of ``shape`` (volume-major or not) for a step's result that
-    goes back to the device: in page-locked memory where ``device`` is a GPU (copied each way at the link's
-    speed, not through the driver's staging), else ordinary memory."""
-    if torch.device(device).type != "cuda":
-        return np.empty(shape, np.float32, order="F" if volume_major else "C")
-    pinned = torch.empty(tuple(shape)[::-1] if volume_major else tuple(shape), dtype=torch.float32,
-                         pin_memory=True).numpy()
-    return pinned.T if volume_major else pinned
+class Transfers:
+    """Copies of blocks between NumPy views and ``device``, through one staging buffer (page-locked on a
+    GPU) that each copy reuses: the host's part on threads (``layout.in_parts``), the block's layout kept
+    (a block of a volume-major series is staged volume-major: no transpose on the host)."""
+
+    def __init__(self, device):
+        self.device = torch_device(device)
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def _staged(self, shape, dtype, volume_major: bool):
+        """(NumPy view, torch view) of the staging buffer as an array of ``shape`` and ``dtype``, in Fortran
+        order where ``volume_major``."""
+        dtype = np.dtype(dtype)
+        size = math.prod(shape) * dtype.itemsize
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        flat = self.buffer[:size].view(torch.from_numpy(np.empty(0, dtype)).dtype)
+        staged = flat.view(tuple(shape)[::-1]).permute(*reversed(range(len(shape)))) if volume_major \
+            else flat.view(tuple(shape))
+        return staged.numpy(), staged
+
+    def upload(self, array: np.ndarray) -> torch.Tensor:
+        """A copy of the NumPy ``array`` (a block's view, any layout) on the device."""
+        array = np.asarray(array)
+        host, staged = self._staged(array.shape, array.dtype, _fortran_like(array))
+        _copy_on_threads(host, array)
+        return staged.to(self.device, copy=True)
+
+    def download(self, tensor: torch.Tensor, out: np.ndarray) -> None:
+        """Write ``tensor`` into the NumPy view ``out`` (any layout), cast to its dtype."""
+        host, staged = self._staged(out.shape, out.dtype, _fortran_like(out))
+        if tensor.shape != staged.shape or tensor.stride() != staged.stride() or tensor.dtype != staged.dtype:
+            tensor = torch.empty_like(staged, device=tensor.device).copy_(tensor)  # (on the device: one memcpy)
+        staged.copy_(tensor)
+        _copy_on_threads(out, host)
 
 
-def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A copy of the NumPy ``array`` (a block's view) on ``device``; never a view of the caller's memory."""
-    return torch.from_numpy(np.asarray(array)).to(device, copy=True)
+def _fortran_like(array: np.ndarray) -> bool:
+    """Whether ``array``'s axes lie in memory fastest first (a block of a volume-major series)."""
+    strides = [stride for stride, size in zip(array.strides, array.shape) if size > 1]
+    return len(strides) > 1 and strides == sorted(strides) and not array.flags.c_contiguous
 
 
-def download(tensor: torch.Tensor, out: np.ndarray) -> None:
-    """Write ``tensor`` into the NumPy view ``out`` (casting to its dtype)."""
-    torch.from_numpy(out).copy_(tensor)
+def _copy_on_threads(out: np.ndarray, values: np.ndarray) -> None:
+    """``out[...] = values`` (same shape), in slabs along the slowest axis in memory on threads."""
+    axis = out.ndim - 1 if _fortran_like(out) else 0
+    if out.ndim == 0 or out.shape[axis] < 2:
+        np.copyto(out, values, casting="unsafe")
+        return
+
+    def copy(part):
+        where = (slice(None),) * axis + (part,)
+        np.copyto(out[where], values[where], casting="unsafe")
+
+    in_parts(copy, out.shape[axis], out.size)
 
 
 def _table(values, device) -> torch.Tensor:
@@ -141,26 +180,25 @@ def unstabilized(x: torch.Tensor, expected: torch.Tensor, thetas: torch.Tensor) 
 # -- the magnitude noise floor (``noise_floor``) ---------------------------------------------------------
 
 def stabilize_series(data: np.ndarray, scale: np.ndarray, transform, device, block_values=None) -> np.ndarray:
-    """x = f(``data`` / ``scale``) (float32, ``data``'s shape and order, in page-locked memory on a GPU: it
-    goes to the engine, ``host_series``): ``denoise_magnitude``'s transform, ``scale`` the (X, Y, Z) float32
-    sigma map and ``transform`` a ``MagnitudeStabilizer``."""
-    device = torch_device(device)
-    knots, values = _table(transform.knots, device), _table(transform.values, device)
-    out = host_series(data.shape, is_volume_major(data), device)
+    """x = f(``data`` / ``scale``) (float32, ``data``'s shape and order): ``denoise_magnitude``'s transform,
+    ``scale`` the (X, Y, Z) float32 sigma map and ``transform`` a ``MagnitudeStabilizer``."""
+    copies = Transfers(device)
+    knots, values = _table(transform.knots, copies.device), _table(transform.values, copies.device)
+    out = np.empty(data.shape, np.float32, order="F" if is_volume_major(data) else "C")
     for index in series_blocks(data, block_values=block_values):
-        y = upload(data[index], device) / upload(scale[index[:3]], device)[..., None]  # float32, as NumPy
-        download(stabilized(y, knots, values).to(torch.float32), out[index])
+        y = copies.upload(data[index]) / copies.upload(scale[index[:3]])[..., None]  # float32, as NumPy
+        copies.download(stabilized(y, knots, values), out[index])
     return out
 
 
 def unstabilize_series(signal: np.ndarray, scale: np.ndarray, transform, device, block_values=None) -> None:
     """In place: ``signal`` (the denoised x, float32) becomes theta * ``scale`` (float32), theta the
     ``transform``'s inverse (``denoise_magnitude``'s last step; ``scale`` 0 where the output is 0)."""
-    device = torch_device(device)
-    expected, thetas = _table(transform.expected, device), _table(transform.thetas, device)
+    copies = Transfers(device)
+    expected, thetas = _table(transform.expected, copies.device), _table(transform.thetas, copies.device)
     for index in series_blocks(signal, block_values=block_values):
-        theta = unstabilized(upload(signal[index], device), expected, thetas).to(torch.float32)
-        download(theta * upload(scale[index[:3]], device)[..., None], signal[index])
+        theta = unstabilized(copies.upload(signal[index]), expected, thetas).to(torch.float32)
+        copies.download(theta * copies.upload(scale[index[:3]])[..., None], signal[index])
 
 
 def noise_level(sigma_mp: np.ndarray, mean_magnitude: np.ndarray, means, variances, bisections: int, device,
@@ -170,13 +208,13 @@ def noise_level(sigma_mp: np.ndarray, mean_magnitude: np.ndarray, means, varianc
     ``means`` and ``variances`` the tables of mu(theta) and s^2(theta). A block's time courses stay on the
     device through the ``bisections`` steps; the spread s^2 is rounded to float32 as the NumPy code stores
     it, and its mean over volumes summed in float64."""
-    device = torch_device(device)
-    means, variances = _table(means, device), _table(variances, device)
+    copies = Transfers(device)
+    means, variances = _table(means, copies.device), _table(variances, copies.device)
     sigma_mp = np.asarray(sigma_mp, np.float64)
     sigma = np.zeros(sigma_mp.shape)
     for index in series_blocks(mean_magnitude, whole="time courses", block_values=block_values):
-        magnitudes = upload(mean_magnitude[index], device)
-        spread_mp = upload(sigma_mp[index[:3]], device)
+        magnitudes = copies.upload(mean_magnitude[index])
+        spread_mp = copies.upload(sigma_mp[index[:3]])
         positive = spread_mp > 0
         low = torch.where(positive, spread_mp, torch.ones_like(spread_mp))
         high = low / math.sqrt(float(variances[0]))
@@ -188,7 +226,7 @@ def noise_level(sigma_mp: np.ndarray, mean_magnitude: np.ndarray, means, varianc
             spread = interpolated(mu, means, variances, right=1.0).to(torch.float32)
             too_large = middle**2 * spread.to(torch.float64).mean(dim=-1) > target
             high, low = torch.where(too_large, middle, high), torch.where(too_large, low, middle)
-        download(torch.where(positive, torch.sqrt(low * high), torch.zeros_like(low)), sigma[index[:3]])
+        copies.download(torch.where(positive, torch.sqrt(low * high), torch.zeros_like(low)), sigma[index[:3]])
     return sigma
 
 
@@ -204,7 +242,7 @@ def background_phase_of(image: torch.Tensor, window: torch.Tensor, passes: int) 
     """``complex_data.background_phase`` of a block of whole slices, (X, Y, z, t) complex64: per slice and
     volume, the angle of the image filtered in k-space by the 2D Hann ``window`` (X, Y), ``passes`` times on
     the residual; float32, wrapped to [-pi, pi)."""
-    phase = torch.zeros(image.shape, dtype=torch.float32, device=image.device)
+    phase = torch.zeros_like(image, dtype=torch.float32)  # (in the image's layout)
     window = window[:, :, None, None]
     for _ in range(passes):
         spectrum = torch.fft.fft2(image * torch.polar(torch.ones_like(phase), -phase), dim=(0, 1))
@@ -229,16 +267,16 @@ def complex_parts(magnitude: np.ndarray, radians: np.ndarray | None = None, imag
     """The real and imaginary parts of S = ``magnitude`` e^{i ``radians``} (or of the complex64 ``image``) as
     one (X, Y, Z, 2T) float32 series in ``magnitude``'s order, real parts first: the series that
     ``phase_method="mppca"`` denoises first."""
-    device = torch_device(device)
+    copies = Transfers(device)
     n_volumes = magnitude.shape[3]
     parts = np.empty(magnitude.shape[:3] + (2 * n_volumes,), np.float32,
                      order="F" if is_volume_major(magnitude) else "C")
     for index in series_blocks(magnitude, block_values=block_values):
-        block_image = (upload(image[index], device) if image is not None
-                       else modulated(upload(magnitude[index], device), upload(radians[index], device)))
+        block_image = (copies.upload(image[index]) if image is not None
+                       else modulated(copies.upload(magnitude[index]), copies.upload(radians[index])))
         first, last, _ = index[3].indices(n_volumes)
-        download(block_image.real, parts[index[:3] + (slice(first, last),)])
-        download(block_image.imag, parts[index[:3] + (slice(first + n_volumes, last + n_volumes),)])
+        copies.download(block_image.real, parts[index[:3] + (slice(first, last),)])
+        copies.download(block_image.imag, parts[index[:3] + (slice(first + n_volumes, last + n_volumes),)])
     return parts
 
 
@@ -250,30 +288,31 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
     background phase (``background_phase_of``), or that of ``smoothed`` (the (X, Y, Z, 2T) first pass of
     ``phase_method="mppca"``: real parts, then imaginary); R = Re(S e^{-i phi}) (the magnitude where it is
     NaN or Inf), I = Im(S e^{-i phi}). Returns (R, phi, the mean over volumes of I^2 per voxel (X, Y, Z)
-    float64): R and phi float32 in ``magnitude``'s order, in page-locked memory on a GPU (they go back, to
-    the engine and to the remodulation: ``host_series``).
+    float64): R and phi float32 in ``magnitude``'s order.
     """
-    device = torch_device(device)
-    window = _window(magnitude.shape, width, device)
+    copies = Transfers(device)
+    window = _window(magnitude.shape, width, copies.device)
     n_volumes = magnitude.shape[3]
-    real, phase = (host_series(magnitude.shape, is_volume_major(magnitude), device) for _ in range(2))
+    order = "F" if is_volume_major(magnitude) else "C"
+    real, phase = (np.empty(magnitude.shape, np.float32, order=order) for _ in range(2))
     imaginary_power = np.empty(magnitude.shape[:3])
     for index in series_blocks(magnitude, whole="slices", block_values=block_values):
-        block_magnitude = upload(magnitude[index], device)
-        block_image = (upload(image[index], device) if image is not None
-                       else modulated(block_magnitude, upload(radians[index], device)))
+        block_magnitude = copies.upload(magnitude[index])
+        block_image = (copies.upload(image[index]) if image is not None
+                       else modulated(block_magnitude, copies.upload(radians[index])))
         if smoothed is None:
             phi = background_phase_of(block_image, window, passes)
         else:
             slab = index[:3]
-            first = torch.complex(upload(smoothed[slab + (slice(0, n_volumes),)], device),
-                                  upload(smoothed[slab + (slice(n_volumes, None),)], device))
+            first = torch.complex(copies.upload(smoothed[slab + (slice(0, n_volumes),)]),
+                                  copies.upload(smoothed[slab + (slice(n_volumes, None),)]))
             phi = background_phase_of(first, window, passes)
         demodulated = block_image * torch.polar(torch.ones_like(phi), -phi)
         # NaN/Inf stay where the engine expects them
-        download(torch.where(torch.isfinite(block_magnitude), demodulated.real, block_magnitude), real[index])
-        download(phi, phase[index])
-        download(torch.square(demodulated.imag.to(torch.float64)).mean(dim=-1), imaginary_power[index[:3]])
+        copies.download(torch.where(torch.isfinite(block_magnitude), demodulated.real, block_magnitude),
+                        real[index])
+        copies.download(phi, phase[index])
+        copies.download(torch.square(demodulated.imag.to(torch.float64)).mean(dim=-1), imaginary_power[index[:3]])
     return real, phase, imaginary_power
 
 
@@ -282,11 +321,11 @@ def remodulated_phase(denoised: np.ndarray, background: np.ndarray, mask: np.nda
     """``denoise_complex``'s step 5, the phase: that of R_hat e^{i phi} (phi = ``background``; phi + pi where
     R_hat = ``denoised`` is negative), wrapped to [-pi, pi), 0 outside the (X, Y, Z) ``mask``; float32 in
     ``denoised``'s order."""
-    device = torch_device(device)
+    copies = Transfers(device)
     phase = np.empty(denoised.shape, np.float32, order="F" if is_volume_major(denoised) else "C")
     for index in series_blocks(denoised, block_values=block_values):
-        values, phi = upload(denoised[index], device), upload(background[index], device)
-        inside = upload(mask[index[:3]], device)[..., None]
+        values, phi = copies.upload(denoised[index]), copies.upload(background[index])
+        inside = copies.upload(mask[index[:3]])[..., None]
         turned = wrapped(torch.where(values >= 0, phi, phi + np.float32(math.pi)))
-        download(torch.where(inside, turned, torch.zeros_like(turned)), phase[index])
+        copies.download(torch.where(inside, turned, torch.zeros_like(turned)), phase[index])
     return phase
