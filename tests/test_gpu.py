@@ -668,8 +668,9 @@ def test_the_filters_match_cpu(options):
 
 @pytest.mark.parametrize("floor", [dict(noise_floor="rician"), dict(noise_floor="ncchi", coils=4)])
 def test_the_noise_floor_matches_cpu(floor):
-    """A magnitude noise floor removed on the GPU: the CPU's series (the transform and its inverse run on the
-    host around either engine, so the engines' tolerances hold)."""
+    """A magnitude noise floor removed on the GPU: the CPU's series (the noise level, the transform and its
+    inverse run with torch on the GPU and with NumPy around the CPU engine, to 1e-5 of each other:
+    tests/test_series_steps.py; so the engines' tolerances hold)."""
     noisy = dwi_phantom((36, 32, 20), n_volumes=40, sigma=60.0, seed=28, rician=True, **(
         dict(coils=floor["coils"]) if "coils" in floor else {}))[0]
     gpu = denoise(noisy, device="cuda", **floor)

@@ -292,14 +292,14 @@ def cuda():
         pytest.skip(reason)
 
 
-def assert_agree(gpu, cpu, mask=None):
-    """The engines' tolerances: the denoised series within 1e-4 rms (relative), ranks equal at >= 99.5%."""
+def assert_agree(gpu, cpu):
+    """The engines' tolerances (tests/test_gpu.py): the denoised series within 1e-4 rms (relative), the noise
+    map within 1e-3, the rank maps within 0.5 at >= 99.5% of the voxels."""
     finite = np.isfinite(cpu.denoised)
-    assert (np.isfinite(gpu.denoised) == finite).all()
-    difference = gpu.denoised[finite].astype(np.float64) - cpu.denoised[finite]
-    assert np.sqrt(np.mean(difference**2)) <= 1e-4 * np.sqrt(np.mean(np.square(cpu.denoised[finite], dtype=float)))
-    inside = cpu.sigma > 0 if mask is None else mask
-    assert np.mean(gpu.rank[inside] == cpu.rank[inside]) >= 0.995
+    np.testing.assert_array_equal(np.isfinite(gpu.denoised), finite)
+    assert relative_rms(gpu.denoised, cpu.denoised, finite) <= 1e-4
+    assert relative_rms(gpu.sigma, cpu.sigma) <= 1e-3
+    assert np.mean(np.abs(gpu.rank - cpu.rank) < 0.5) >= 0.995
 
 
 @pytest.mark.gpu
@@ -311,10 +311,11 @@ def test_complex_denoising_on_the_gpu_agrees_with_the_cpu(cuda, order, phase_met
     gpu = denoise_complex(magnitude, phase, device="cuda", phase_method=phase_method)
     cpu = denoise_complex(magnitude, phase, device="cpu", nprocs=4, phase_method=phase_method)
     assert gpu.info["steps_device"] == "cuda" and cpu.info["steps_device"] == "cpu"
+    assert gpu.denoised.flags.f_contiguous == gpu.phase.flags.f_contiguous == (order == "F")
     assert_agree(gpu, cpu)
-    strong = gpu.denoised > 5 * 100.0
-    assert np.sqrt(np.mean(wrapped_difference(gpu.phase, cpu.phase)[strong] ** 2)) < 1e-4
-    assert gpu.info["imaginary_sd_ratio"] == pytest.approx(cpu.info["imaginary_sd_ratio"], rel=1e-3)
+    strong = cpu.denoised > 4 * 100.0  # where the phase is defined well
+    assert np.sqrt(np.mean(wrapped_difference(gpu.phase, cpu.phase)[strong] ** 2)) <= 1e-3
+    assert gpu.info["imaginary_sd_ratio"] == pytest.approx(cpu.info["imaginary_sd_ratio"], rel=5e-3)
 
 
 @pytest.mark.gpu
@@ -325,11 +326,8 @@ def test_a_noise_floor_on_the_gpu_agrees_with_the_cpu(cuda, order, noise_floor, 
     gpu = denoise(noisy, device="cuda", noise_floor=noise_floor, coils=coils)
     cpu = denoise(noisy, device="cpu", nprocs=4, noise_floor=noise_floor, coils=coils)
     assert gpu.info["steps_device"] == "cuda" and cpu.info["steps_device"] == "cpu"
+    assert gpu.denoised.flags.f_contiguous == (order == "F")
     assert_agree(gpu, cpu)
-    inside = cpu.sigma > 0
-    assert np.sqrt(np.mean((gpu.sigma[inside] / cpu.sigma[inside] - 1) ** 2)) <= 1e-4
-
-
 # -- the input checks' reductions -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("order", ["C", "F"])
