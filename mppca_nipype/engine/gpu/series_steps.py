@@ -126,24 +126,29 @@ def _table(values, device) -> torch.Tensor:
 
 # -- interpolation ---------------------------------------------------------------------------------------
 
-def interpolated(x: torch.Tensor, knots: torch.Tensor, values: torch.Tensor, right=None) -> torch.Tensor:
-    """``numpy.interp(x, knots, values, right=right)`` in float64: ``values[0]`` below the first knot,
-    ``right`` (default ``values[-1]``) above the last, NaN where x is NaN. ``knots`` rise (equal neighbours
-    allowed: no x falls between them); the arithmetic is NumPy's, slope * (x - knot) + value."""
-    x = x.to(torch.float64)
-    last = knots.numel() - 1
-    below = _searched(knots, x) - 1  # knots[below] <= x < knots[below + 1]
-    interval = below.clamp(0, last - 1)
-    left_knot, left_value = knots[interval], values[interval]
-    slope = (values[interval + 1] - left_value) / (knots[interval + 1] - left_knot)
-    inside = slope * (x - left_knot) + left_value
-    result = torch.where(x == left_knot, left_value, inside)
-    result = torch.where(below < 0, values[0], result)
-    result = torch.where(x >= knots[last], values[last], result)
-    if right is not None:
-        result = torch.where(x > knots[last], torch.as_tensor(float(right), dtype=torch.float64,
-                                                               device=x.device), result)
-    return torch.where(torch.isnan(x), x, result)
+class PiecewiseLinear:
+    """``numpy.interp`` through (``knots``, ``values``) on ``device``, in float64: the knots rise (equal
+    neighbours allowed: no x falls between them), and each interval's slope is NumPy's,
+    (v[j+1] - v[j]) / (k[j+1] - k[j]), computed once."""
+
+    def __init__(self, knots, values, device):
+        self.knots, self.values = _table(knots, device), _table(values, device)
+        self.slopes = (self.values[1:] - self.values[:-1]) / (self.knots[1:] - self.knots[:-1])
+
+    def __call__(self, x: torch.Tensor, right=None) -> torch.Tensor:
+        """``numpy.interp(x, knots, values, right=right)``: ``values[0]`` below the first knot, ``right``
+        (default ``values[-1]``) above the last, NaN where x is NaN (it runs through the arithmetic)."""
+        x = x.to(torch.float64)
+        knots, values, last = self.knots, self.values, self.knots.numel() - 1
+        below = _searched(knots, x) - 1  # knots[below] <= x < knots[below + 1]
+        interval = below.clamp(0, last - 1)
+        result = self.slopes[interval] * (x - knots[interval]) + values[interval]  # NumPy's arithmetic
+        result = torch.where(below < 0, values[0], result)
+        result = torch.where(x >= knots[last], values[last], result)
+        if right is not None:
+            result = torch.where(x > knots[last], torch.as_tensor(float(right), dtype=torch.float64,
+                                                                   device=x.device), result)
+        return result
 
 
 def _searched(knots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -157,24 +162,22 @@ def _searched(knots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(knots, in_memory_order, right=True).permute(back)
 
 
-def stabilized(y: torch.Tensor, knots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def stabilized(y: torch.Tensor, forward: PiecewiseLinear) -> torch.Tensor:
     """``noise_floor.MagnitudeStabilizer.forward`` of y = m / sigma, float64: piecewise linear through the
-    tables, straight beyond them with the end slopes."""
+    table (``forward``: knots, values), straight beyond it with the end slopes."""
     y = y.to(torch.float64)
-    x = interpolated(y, knots, values)
-    low_slope = (values[1] - values[0]) / (knots[1] - knots[0])
-    high_slope = (values[-1] - values[-2]) / (knots[-1] - knots[-2])
-    x = torch.where(y < knots[0], values[0] + (y - knots[0]) * low_slope, x)
-    return torch.where(y > knots[-1], values[-1] + (y - knots[-1]) * high_slope, x)
+    knots, values, slopes = forward.knots, forward.values, forward.slopes
+    x = forward(y)
+    x = torch.where(y < knots[0], values[0] + (y - knots[0]) * slopes[0], x)
+    return torch.where(y > knots[-1], values[-1] + (y - knots[-1]) * slopes[-1], x)
 
 
-def unstabilized(x: torch.Tensor, expected: torch.Tensor, thetas: torch.Tensor) -> torch.Tensor:
-    """``noise_floor.MagnitudeStabilizer.inverse``: theta whose E[f(y) | theta] is x, float64 (0 below the
-    table; straight beyond it)."""
+def unstabilized(x: torch.Tensor, inverse: PiecewiseLinear) -> torch.Tensor:
+    """``noise_floor.MagnitudeStabilizer.inverse``: theta whose E[f(y) | theta] is x, float64, from the table
+    ``inverse`` (expected, thetas): 0 below it, straight beyond it."""
     x = x.to(torch.float64)
-    theta = interpolated(x, expected, thetas)
-    high_slope = (thetas[-1] - thetas[-2]) / (expected[-1] - expected[-2])
-    return torch.where(x > expected[-1], thetas[-1] + (x - expected[-1]) * high_slope, theta)
+    expected, thetas = inverse.knots, inverse.values
+    return torch.where(x > expected[-1], thetas[-1] + (x - expected[-1]) * inverse.slopes[-1], inverse(x))
 
 
 # -- the magnitude noise floor (``noise_floor``) ---------------------------------------------------------
@@ -183,11 +186,11 @@ def stabilize_series(data: np.ndarray, scale: np.ndarray, transform, device, blo
     """x = f(``data`` / ``scale``) (float32, ``data``'s shape and order): ``denoise_magnitude``'s transform,
     ``scale`` the (X, Y, Z) float32 sigma map and ``transform`` a ``MagnitudeStabilizer``."""
     copies = Transfers(device)
-    knots, values = _table(transform.knots, copies.device), _table(transform.values, copies.device)
+    forward = PiecewiseLinear(transform.knots, transform.values, copies.device)
     out = np.empty(data.shape, np.float32, order="F" if is_volume_major(data) else "C")
     for index in series_blocks(data, block_values=block_values):
         y = copies.upload(data[index]) / copies.upload(scale[index[:3]])[..., None]  # float32, as NumPy
-        copies.download(stabilized(y, knots, values), out[index])
+        copies.download(stabilized(y, forward), out[index])
     return out
 
 
@@ -195,9 +198,9 @@ def unstabilize_series(signal: np.ndarray, scale: np.ndarray, transform, device,
     """In place: ``signal`` (the denoised x, float32) becomes theta * ``scale`` (float32), theta the
     ``transform``'s inverse (``denoise_magnitude``'s last step; ``scale`` 0 where the output is 0)."""
     copies = Transfers(device)
-    expected, thetas = _table(transform.expected, copies.device), _table(transform.thetas, copies.device)
+    inverse = PiecewiseLinear(transform.expected, transform.thetas, copies.device)
     for index in series_blocks(signal, block_values=block_values):
-        theta = unstabilized(copies.upload(signal[index]), expected, thetas).to(torch.float32)
+        theta = unstabilized(copies.upload(signal[index]), inverse).to(torch.float32)
         copies.download(theta * copies.upload(scale[index[:3]])[..., None], signal[index])
 
 
@@ -209,7 +212,7 @@ def noise_level(sigma_mp: np.ndarray, mean_magnitude: np.ndarray, means, varianc
     device through the ``bisections`` steps; the spread s^2 is rounded to float32 as the NumPy code stores
     it, and its mean over volumes summed in float64."""
     copies = Transfers(device)
-    means, variances = _table(means, copies.device), _table(variances, copies.device)
+    spread_of_mean = PiecewiseLinear(means, variances, copies.device)
     sigma_mp = np.asarray(sigma_mp, np.float64)
     sigma = np.zeros(sigma_mp.shape)
     for index in series_blocks(mean_magnitude, whole="time courses", block_values=block_values):
@@ -217,14 +220,14 @@ def noise_level(sigma_mp: np.ndarray, mean_magnitude: np.ndarray, means, varianc
         spread_mp = copies.upload(sigma_mp[index[:3]])
         positive = spread_mp > 0
         low = torch.where(positive, spread_mp, torch.ones_like(spread_mp))
-        high = low / math.sqrt(float(variances[0]))
+        high = low / math.sqrt(float(variances[0]))  # s(0), as NumPy computes it
         target = low**2
         for _ in range(bisections):
             middle = torch.sqrt(low * high)
             mu = magnitudes / middle.to(torch.float32)[..., None]
             # s^2 as a function of the mean: that of theta = 0 below mu(0), 1 above the table
-            spread = interpolated(mu, means, variances, right=1.0).to(torch.float32)
-            too_large = middle**2 * spread.to(torch.float64).mean(dim=-1) > target
+            spread = spread_of_mean(mu, right=1.0).to(torch.float32)  # (stored as float32 by NumPy too)
+            too_large = middle**2 * spread.mean(dim=-1, dtype=torch.float64) > target
             high, low = torch.where(too_large, middle, high), torch.where(too_large, low, middle)
         copies.download(torch.where(positive, torch.sqrt(low * high), torch.zeros_like(low)), sigma[index[:3]])
     return sigma
