@@ -157,6 +157,11 @@ def test_the_demodulation_on_the_device_is_numpys(order, n_volumes):
     assert len(series_steps.series_blocks(magnitude, "slices", block_values=two_slices)) == 2
     device_real, device_phase, device_power = on_device
     assert device_real.flags.f_contiguous == device_phase.flags.f_contiguous == (order == "F")
+    kept = series_steps.demodulate_series(magnitude, radians, width=0.375, passes=3, device=CPU, keep_phase=True,
+                                          block_values=two_slices)[1]
+    assert isinstance(kept, torch.Tensor)
+    np.testing.assert_array_equal(kept.numpy(), device_phase)
+    assert kept.numpy().flags.f_contiguous == (order == "F")
     difference = wrapped_difference(device_phase, phase)
     assert np.sqrt(np.mean(difference**2)) < 1e-5
     assert device_phase.min() >= -PI and device_phase.max() <= PI
@@ -198,6 +203,9 @@ def test_the_remodulated_phase_on_the_device_is_numpys(order):
     phase = series_steps.remodulated_phase(denoised, background, mask, CPU, block_values=BLOCK)
     expected = _remodulated_phase(denoised, background.copy(order="K"), mask, threads=1)
     assert np.abs(wrapped_difference(phase, expected)).max() < 1e-6
+    kept_on_device = torch.from_numpy(background.copy(order="K"))  # (phi kept on the device between the steps)
+    np.testing.assert_array_equal(series_steps.remodulated_phase(denoised, kept_on_device, mask, CPU,
+                                                                 block_values=BLOCK), phase)
     assert (phase[~mask] == 0).all() and phase.min() >= -PI and phase.max() <= PI
     assert phase.flags.f_contiguous == (order == "F")
 

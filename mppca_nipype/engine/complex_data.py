@@ -213,7 +213,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     -------
     ComplexDenoiseResult
     """
-    from . import DEFAULTS, _finite_voxels, check_data, count_negative, denoise, steps_device
+    from . import DEFAULTS, _finite_voxels, check_data, count_negative, denoise, resolve_gpu_memory, steps_device
 
     options = {name: DEFAULTS[name] if value is None else value
                for name, value in dict(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
@@ -260,7 +260,8 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     if on_gpu:
         real, background, imaginary_power = _demodulated_on_gpu(magnitude, radians, image, phase_method=phase_method,
                                                                 width=phase_width, passes=phase_passes,
-                                                                first_pass=first_pass, lap=lap)
+                                                                first_pass=first_pass, lap=lap,
+                                                                budget=resolve_gpu_memory(gpu_memory))
     else:
         real, background, imaginary = _demodulated(magnitude, radians, image, phase_method=phase_method,
                                                    width=phase_width, passes=phase_passes, threads=threads,
@@ -328,16 +329,20 @@ def _demodulated(magnitude, radians, image, *, phase_method, width, passes, thre
     return real, background, imaginary
 
 
-def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passes, first_pass, lap):
+def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passes, first_pass, lap, budget):
     """``_demodulated`` with torch on the GPU (``gpu.series_steps``), the complex series never built on the
-    host: (R, phi, the mean over volumes of I^2 per voxel)."""
-    from .gpu.series_steps import complex_parts, demodulate_series
+    host: (R, phi, the mean over volumes of I^2 per voxel). phi stays on the device for the remodulation
+    where no GPU memory budget was asked for (``budget`` None: the engine plans around what it holds) and it
+    is small beside the device's memory (``series_steps.stays_on_device``)."""
+    from .gpu.series_steps import complex_parts, demodulate_series, stays_on_device
 
     smoothed = None
     if phase_method == "mppca":
         smoothed = first_pass(complex_parts(magnitude, radians, image, device="cuda"))
         lap("first pass")
-    return demodulate_series(magnitude, radians, image, smoothed, width=width, passes=passes, device="cuda")
+    keep_phase = budget is None and stays_on_device(magnitude.size * 4, "cuda")
+    return demodulate_series(magnitude, radians, image, smoothed, width=width, passes=passes, device="cuda",
+                             keep_phase=keep_phase)
 
 
 def _remodulated_phase(denoised, background, mask, threads):

@@ -24,8 +24,11 @@ import torch
 from ..layout import in_parts, is_volume_major
 
 #: Values of the series in one block, at most (at least one plane of the slab's axis): 64 MB of float32; the
-#: steps' temporaries (complex64, float64) take a few times that on the device.
+#: steps' temporaries (complex64, float64, int64 indices) take up to ~20 times that on the device.
 BLOCK_VALUES = 1 << 24
+#: A series a step's result may stay on the device as, between two steps, takes at most this share of the
+#: device's memory (``stays_on_device``).
+RESIDENT_SHARE = 1 / 16
 
 
 def torch_device(device) -> torch.device:
@@ -118,6 +121,22 @@ def _copy_on_threads(out: np.ndarray, values: np.ndarray) -> None:
         np.copyto(out[where], values[where], casting="unsafe")
 
     in_parts(copy, out.shape[axis], out.size)
+
+
+def stays_on_device(nbytes: int, device) -> bool:
+    """Whether a series of ``nbytes`` may be kept on ``device`` between two steps (while the engine runs),
+    saving its copy down and back up: at most ``RESIDENT_SHARE`` of a GPU's memory; always on the CPU."""
+    device = torch_device(device)
+    if device.type != "cuda":
+        return True
+    return nbytes <= RESIDENT_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+
+def _series_on_device(shape, volume_major: bool, device) -> torch.Tensor:
+    """An uninitialised float32 (X, Y, Z, T) tensor on ``device`` laid out as a NumPy series of that order."""
+    if volume_major:
+        return torch.empty(tuple(shape)[::-1], dtype=torch.float32, device=device).permute(3, 2, 1, 0)
+    return torch.empty(tuple(shape), dtype=torch.float32, device=device)
 
 
 def _table(values, device) -> torch.Tensor:
@@ -284,20 +303,24 @@ def complex_parts(magnitude: np.ndarray, radians: np.ndarray | None = None, imag
 
 
 def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, image: np.ndarray | None = None,
-                      smoothed: np.ndarray | None = None, *, width: float, passes: int, device, block_values=None):
+                      smoothed: np.ndarray | None = None, *, width: float, passes: int, device, keep_phase=False,
+                      block_values=None):
     """``denoise_complex``'s steps 1-3 on the device, slab by slab of z-planes.
 
     S = ``magnitude`` e^{i ``radians``} (or the complex64 ``image`` itself, its non-finite values 0); phi its
     background phase (``background_phase_of``), or that of ``smoothed`` (the (X, Y, Z, 2T) first pass of
     ``phase_method="mppca"``: real parts, then imaginary); R = Re(S e^{-i phi}) (the magnitude where it is
     NaN or Inf), I = Im(S e^{-i phi}). Returns (R, phi, the mean over volumes of I^2 per voxel (X, Y, Z)
-    float64): R and phi float32 in ``magnitude``'s order.
+    float64): R and phi float32 in ``magnitude``'s order; phi as a tensor on the device where ``keep_phase``
+    (for ``remodulated_phase``, which takes either).
     """
     copies = Transfers(device)
     window = _window(magnitude.shape, width, copies.device)
     n_volumes = magnitude.shape[3]
     order = "F" if is_volume_major(magnitude) else "C"
-    real, phase = (np.empty(magnitude.shape, np.float32, order=order) for _ in range(2))
+    real = np.empty(magnitude.shape, np.float32, order=order)
+    phase = (_series_on_device(magnitude.shape, order == "F", copies.device) if keep_phase
+             else np.empty(magnitude.shape, np.float32, order=order))
     imaginary_power = np.empty(magnitude.shape[:3])
     for index in series_blocks(magnitude, whole="slices", block_values=block_values):
         block_magnitude = copies.upload(magnitude[index])
@@ -314,20 +337,23 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
         # NaN/Inf stay where the engine expects them
         copies.download(torch.where(torch.isfinite(block_magnitude), demodulated.real, block_magnitude),
                         real[index])
-        copies.download(phi, phase[index])
+        if keep_phase:
+            phase[index] = phi
+        else:
+            copies.download(phi, phase[index])
         copies.download(torch.square(demodulated.imag.to(torch.float64)).mean(dim=-1), imaginary_power[index[:3]])
     return real, phase, imaginary_power
 
 
-def remodulated_phase(denoised: np.ndarray, background: np.ndarray, mask: np.ndarray, device,
-                      block_values=None) -> np.ndarray:
-    """``denoise_complex``'s step 5, the phase: that of R_hat e^{i phi} (phi = ``background``; phi + pi where
-    R_hat = ``denoised`` is negative), wrapped to [-pi, pi), 0 outside the (X, Y, Z) ``mask``; float32 in
-    ``denoised``'s order."""
+def remodulated_phase(denoised: np.ndarray, background, mask: np.ndarray, device, block_values=None) -> np.ndarray:
+    """``denoise_complex``'s step 5, the phase: that of R_hat e^{i phi} (phi = ``background``, a NumPy series
+    or one kept on the device; phi + pi where R_hat = ``denoised`` is negative), wrapped to [-pi, pi), 0 outside
+    the (X, Y, Z) ``mask``; float32 in ``denoised``'s order."""
     copies = Transfers(device)
     phase = np.empty(denoised.shape, np.float32, order="F" if is_volume_major(denoised) else "C")
     for index in series_blocks(denoised, block_values=block_values):
-        values, phi = copies.upload(denoised[index]), copies.upload(background[index])
+        values = copies.upload(denoised[index])
+        phi = background[index] if isinstance(background, torch.Tensor) else copies.upload(background[index])
         inside = copies.upload(mask[index[:3]])[..., None]
         turned = wrapped(torch.where(values >= 0, phi, phi + np.float32(math.pi)))
         copies.download(torch.where(inside, turned, torch.zeros_like(turned)), phase[index])
