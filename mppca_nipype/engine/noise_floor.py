@@ -296,7 +296,7 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
         seconds[phase], last = round(now - last, 4), now
 
     finite = _finite_voxels(data)
-    threads = run_options.get("nprocs") or available_cpus()  # the host's part: transforms, the noise level
+    threads = run_options.get("nprocs") or available_cpus()  # the steps on the host, for the CPU engine
     # the transforms and the noise level run where the engine does: with torch on the GPU, else with NumPy here
     on_gpu = steps_device(run_options.get("device", "auto"), data.shape, denoise_options,
                           run_options.get("nprocs")) == "cuda"
