@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import MPPCAInputError
+from .layout import in_parts
 
 #: The maps ``denoise(maps=...)`` can add to its result, each an attribute of ``DenoiseResult``.
 MAPS = ("lambda_plus", "variance_removed")
@@ -34,16 +35,21 @@ def removed_variance(data, denoised, served) -> np.ndarray:
 
     The variance of what denoising took out of each voxel's time course, in the data's units squared, to read
     beside ``sigma ** 2``: where only noise was removed it is a little under sigma^2 (the kept components
-    keep some noise). Summed in float64, a block of x-planes at a time (no temporary of the whole series).
+    keep some noise). Summed in float64, a block of x-planes at a time (no temporary of the whole series),
+    the blocks spread over threads (``layout.in_parts``; each block's sums are the same on any number).
     """
     shape3 = data.shape[:3]
     out = np.zeros(shape3, dtype=np.float32)
     plane_bytes = max(int(np.prod(data.shape[1:])) * data.dtype.itemsize, 1)
     step = max(1, RESIDUAL_BLOCK_BYTES // plane_bytes)
-    with np.errstate(invalid="ignore", over="ignore"):  # (non-finite voxels are not served: set to 0 below)
-        for x0 in range(0, shape3[0], step):
-            block = slice(x0, x0 + step)
-            residual = np.subtract(data[block], denoised[block], dtype=np.float64)
-            out[block] = np.mean(np.square(residual, out=residual), axis=3)
+
+    def blocks(numbers):
+        with np.errstate(invalid="ignore", over="ignore"):  # (non-finite voxels are not served: 0 below)
+            for x0 in range(numbers.start * step, min(numbers.stop * step, shape3[0]), step):
+                block = slice(x0, x0 + step)
+                residual = np.subtract(data[block], denoised[block], dtype=np.float64)
+                out[block] = np.mean(np.square(residual, out=residual), axis=3)
+
+    in_parts(blocks, -(-shape3[0] // step), data.size)
     out[~served] = 0
     return out
