@@ -15,7 +15,7 @@ than a multithreaded BLAS fighting over the same cores. ``PROFILE`` times every 
 
 Precision (``first_pass_dtype``): with voxel or volume demeaning, the spread estimators, the hard threshold
 and the noise estimated, the windows run in float32 first (gather, Gram, LAPACK's reduction and eigenvalues,
-projection; the threshold in float64), 1.3x faster than float64 on the defaults' 343 x 100 patches. A window
+projection; the threshold in float64), 1.2-1.3x faster than float64 on the defaults' windows. A window
 whose rank float32's error could change (``SETTLE_SLACK``) is redone in float64 (``fit_windows``), so ranks
 are float64's. Without demeaning (dwidenoise's mode) the patch's mean would drown the noise eigenvalues in
 float32's rounding, and everything runs in float64.
@@ -54,9 +54,9 @@ from .layout import is_volume_major, rows_of_planes
 BATCH_BYTES = 12 * 2**20
 
 #: How far (in float32 roundings of the largest eigenvalue) LAPACK's float32 eigenvalues may be from the true
-#: ones before a window's rank counts as unsettled and is redone in float64. On the DWI phantom's windows
-#: (defaults) the errors were a median of 1.05 roundings; at 2, 7% of the windows are redone and none whose
-#: rank differs from float64's is missed (docs/benchmarks.md, "The CPU's float32 first pass").
+#: ones before a window's rank counts as unsettled and is redone in float64. On five phantoms' windows the
+#: errors were a median of 0.8-1.2 roundings; at 2, 6.9% of the windows are redone and none whose rank
+#: differs from float64's is missed (docs/benchmarks.md, "The CPU's float32 first pass").
 SETTLE_SLACK = 2.0
 
 #: When true, ``denoise_cpu`` times each phase of the work in the workers and the parent and reports it in
