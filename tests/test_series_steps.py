@@ -69,17 +69,42 @@ def test_the_blocks_cover_the_series_once_within_their_size(order, whole):
     assert len(blocks) > 1 and (counts == 1).all()
 
 
-@pytest.mark.parametrize("order", ["C", "F"])
-@pytest.mark.parametrize("whole", [None, "slices"])
-def test_blocks_go_to_the_device_and_back_in_their_layout(order, whole):
-    series = in_order(np.random.default_rng(9).standard_normal((7, 5, 4, 3)).astype(np.float32), order)
+def round_trip(series, whole, device):
+    """``series`` * 2, its blocks uploaded to ``device``, doubled there and downloaded."""
     back = np.full_like(series, np.nan)
-    copies = series_steps.Transfers(CPU)
+    copies = series_steps.Transfers(device)
     for index in series_steps.series_blocks(series, whole, block_values=BLOCK):
         block = copies.upload(series[index])
         assert block.shape == series[index].shape
         copies.download(block.contiguous() * 2, back[index])  # (another layout than the staging's)
-    np.testing.assert_array_equal(back, 2 * series)
+    return back
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("whole", [None, "slices"])
+@pytest.mark.parametrize("chunk_values", [series_steps.CHUNK_VALUES, 7])
+def test_blocks_go_to_the_device_and_back_in_their_layout(monkeypatch, order, whole, chunk_values):
+    """In one piece per block, and in pieces of a plane (7 values: fewer than a plane of any block)."""
+    monkeypatch.setattr(series_steps, "CHUNK_VALUES", chunk_values)
+    series = in_order(np.random.default_rng(9).standard_normal((7, 5, 4, 3)).astype(np.float32), order)
+    np.testing.assert_array_equal(round_trip(series, whole, CPU), 2 * series)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("chunk_values", [20, 1000])
+def test_the_pieces_of_a_copy_are_contiguous_slabs_that_cover_it_once(monkeypatch, order, chunk_values):
+    """Slabs along the slowest axis in memory, each a contiguous piece of a staging view, at most
+    ``CHUNK_VALUES`` values or one plane."""
+    monkeypatch.setattr(series_steps, "CHUNK_VALUES", chunk_values)
+    staged = np.zeros((7, 5, 4, 3), np.float32, order=order)
+    plane = 5 * 4 * 3 if order == "C" else 7 * 5 * 4
+    counts = np.zeros(staged.shape, int)
+    pieces = series_steps._pieces(staged)
+    for piece in pieces:
+        counts[piece] += 1
+        assert staged[piece].flags.c_contiguous or staged[piece].flags.f_contiguous
+        assert staged[piece].size <= max(chunk_values, plane)
+    assert (counts == 1).all() and (len(pieces) > 1) == (chunk_values < staged.size)
 
 
 # -- interpolation and the noise floor's transforms ----------------------------------------------------------
@@ -298,6 +323,24 @@ def cuda():
     reason = usable()
     if reason is not None:
         pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("whole", [None, "slices"])
+def test_blocks_in_pieces_go_to_a_gpu_and_back_unchanged(cuda, monkeypatch, order, whole):
+    """The pieces' copies overlap the host's: no piece of the staging buffer is written before its copy to
+    the device is done, nor read before its copy from the device is."""
+    monkeypatch.setattr(series_steps, "CHUNK_VALUES", 7)
+    series = in_order(np.random.default_rng(9).standard_normal((7, 5, 4, 3)).astype(np.float32), order)
+    np.testing.assert_array_equal(round_trip(series, whole, torch.device("cuda")), 2 * series)
+    large = in_order(np.random.default_rng(10).standard_normal((96, 96, 18, 40)).astype(np.float32), order)
+    monkeypatch.setattr(series_steps, "CHUNK_VALUES", 1 << 18)
+    back = np.full_like(large, np.nan)
+    copies = series_steps.Transfers("cuda")
+    for index in series_steps.series_blocks(large, whole, block_values=1 << 21):
+        copies.download(copies.upload(large[index]) * 2, back[index])
+    np.testing.assert_array_equal(back, 2 * large)
 
 
 def assert_agree(gpu, cpu):

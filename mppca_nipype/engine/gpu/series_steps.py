@@ -9,7 +9,8 @@ slabs along the series' slowest axis in memory (x-planes of a voxel-major series
 one: each block one contiguous piece of memory), or slabs of z-planes where a step needs whole in-plane
 images (the FFT) or whole time courses (a sum over volumes). A block goes each way through a page-locked
 staging buffer, copied on threads on the host (``Transfers``; as ``upload.StagedSeries`` does, for the
-same reason: a pageable copy runs at ~8 GB/s on the H200's host, a host copy scales with threads).
+same reason: a pageable copy runs at ~8 GB/s on the H200's host, a host copy scales with threads), in pieces
+so that the host's copy of one piece runs while the device copies the next.
 The NumPy functions stay the CPU engine's; these run where the GPU engine does, ``device`` any torch device
 (the tests run them on the CPU).
 """
@@ -21,7 +22,8 @@ import math
 import numpy as np
 import torch
 
-from ..layout import in_parts, is_volume_major
+from ..backend import available_cpus
+from ..layout import COPY_MIN_VALUES, COPY_THREADS, in_parts, is_volume_major
 
 #: Values of the series in one block, at most (at least one plane of the slab's axis): 64 MB of float32; the
 #: steps' temporaries (complex64, float64, int64 indices) take up to ~20 times that on the device.
@@ -69,15 +71,27 @@ def series_blocks(series: np.ndarray, whole: str | None = None, block_values: in
 class Transfers:
     """Copies of blocks between NumPy views and ``device``, through one staging buffer (page-locked on a
     GPU) that each copy reuses: the host's part on threads (``layout.in_parts``), the block's layout kept
-    (a block of a volume-major series is staged volume-major: no transpose on the host)."""
+    (a block of a volume-major series is staged volume-major: no transpose on the host).
+
+    A block goes in pieces of ``CHUNK_VALUES`` along its slowest axis in memory, so that on a GPU the host's
+    copy of one piece runs while the device copies another (``non_blocking`` copies from page-locked memory):
+    an upload stages piece k + 1 while piece k goes up, a download copies piece k out of the buffer while
+    piece k + 1 comes down. A copy takes about the longer of the two, not their sum. On the CPU the pieces
+    run one after the other."""
 
     def __init__(self, device):
         self.device = torch_device(device)
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        #: On a GPU: recorded after the last device copy out of the buffer; the host writes the buffer
+        #: only once it is done.
+        self.uploaded = None
 
     def _staged(self, shape, dtype, volume_major: bool):
         """(NumPy view, torch view) of the staging buffer as an array of ``shape`` and ``dtype``, in Fortran
-        order where ``volume_major``."""
+        order where ``volume_major``, once the buffer is free (no upload still reads it)."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+            self.uploaded = None
         dtype = np.dtype(dtype)
         size = math.prod(shape) * dtype.itemsize
         if self.buffer.numel() < size:
@@ -87,20 +101,59 @@ class Transfers:
             else flat.view(tuple(shape))
         return staged.numpy(), staged
 
+    def _recorded_event(self):
+        """A CUDA event recorded on the device's current stream now (None on the CPU: copies are done)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def upload(self, array: np.ndarray) -> torch.Tensor:
         """A copy of the NumPy ``array`` (a block's view, any layout) on the device."""
         array = np.asarray(array)
         host, staged = self._staged(array.shape, array.dtype, _fortran_like(array))
-        _copy_on_threads(host, array)
-        return staged.to(self.device, copy=True)
+        on_device = torch.empty_like(staged, device=self.device)  # (the staging's strides)
+        threads = _copy_threads(array)
+        for piece in _pieces(host):
+            _copy_on_threads(host[piece], array[piece], threads)
+            on_device[piece].copy_(staged[piece], non_blocking=True)
+        self.uploaded = self._recorded_event()
+        return on_device
 
     def download(self, tensor: torch.Tensor, out: np.ndarray) -> None:
         """Write ``tensor`` into the NumPy view ``out`` (any layout), cast to its dtype."""
         host, staged = self._staged(out.shape, out.dtype, _fortran_like(out))
         if tensor.shape != staged.shape or tensor.stride() != staged.stride() or tensor.dtype != staged.dtype:
             tensor = torch.empty_like(staged, device=tensor.device).copy_(tensor)  # (on the device: one memcpy)
-        staged.copy_(tensor)
-        _copy_on_threads(out, host)
+        pieces = _pieces(host)
+        arrived = []
+        for piece in pieces:
+            staged[piece].copy_(tensor[piece], non_blocking=True)
+            arrived.append(self._recorded_event())
+        threads = _copy_threads(out)
+        for piece, event in zip(pieces, arrived):
+            if event is not None:
+                event.synchronize()
+            _copy_on_threads(out[piece], host[piece], threads)
+
+
+#: Values of one piece of a block's copy (``Transfers``): 16 MB of float32, a quarter of a block.
+CHUNK_VALUES = 1 << 22
+
+
+def _pieces(array: np.ndarray) -> list:
+    """Index tuples of slabs of ``array`` along its slowest axis in memory, ``CHUNK_VALUES`` each at most (at
+    least one plane): each slab one contiguous piece of a staging view."""
+    if array.ndim == 0:
+        return [()]
+    axis = array.ndim - 1 if _fortran_like(array) else 0
+    size = array.shape[axis]
+    step = max(1, CHUNK_VALUES // max(1, array.size // max(1, size)))
+    pieces = []
+    for start in range(0, max(size, 1), step):
+        pieces.append((slice(None),) * axis + (slice(start, min(start + step, size)),))
+    return pieces
 
 
 def _fortran_like(array: np.ndarray) -> bool:
@@ -109,8 +162,14 @@ def _fortran_like(array: np.ndarray) -> bool:
     return len(strides) > 1 and strides == sorted(strides) and not array.flags.c_contiguous
 
 
-def _copy_on_threads(out: np.ndarray, values: np.ndarray) -> None:
-    """``out[...] = values`` (same shape), in slabs along the slowest axis in memory on threads."""
+def _copy_threads(array: np.ndarray) -> int:
+    """The threads a copy of the whole ``array`` gets (``layout.in_parts``'s rule), also for each piece."""
+    return min(COPY_THREADS, available_cpus(), max(1, array.size // COPY_MIN_VALUES))
+
+
+def _copy_on_threads(out: np.ndarray, values: np.ndarray, threads: int | None = None) -> None:
+    """``out[...] = values`` (same shape), in slabs along the slowest axis in memory on ``threads`` threads
+    (None: ``layout.in_parts``'s choice for ``out``'s size)."""
     axis = out.ndim - 1 if _fortran_like(out) else 0
     if out.ndim == 0 or out.shape[axis] < 2:
         np.copyto(out, values, casting="unsafe")
@@ -120,7 +179,7 @@ def _copy_on_threads(out: np.ndarray, values: np.ndarray) -> None:
         where = (slice(None),) * axis + (part,)
         np.copyto(out[where], values[where], casting="unsafe")
 
-    in_parts(copy, out.shape[axis], out.size)
+    in_parts(copy, out.shape[axis], out.size, threads)
 
 
 def stays_on_device(nbytes: int, device) -> bool:
