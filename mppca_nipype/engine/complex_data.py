@@ -286,7 +286,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         del imaginary
         out_phase = _remodulated_phase(denoised, background, mask, threads)
     del background
-    magnitude_denoised = _denoised_magnitude(denoised, magnitude_out, threads)
+    magnitude_denoised = _denoised_magnitude(denoised, magnitude_out, threads)  # (R_hat is not needed after)
     lap("remodulation")
     info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width),
                 phase_passes=int(phase_passes), phase_units=units, steps_device="cuda" if on_gpu else "cpu",
@@ -360,15 +360,15 @@ def _remodulated_phase(denoised, background, mask, threads):
 
 
 def _denoised_magnitude(denoised, magnitude_out, threads):
-    """``denoise_complex``'s step 5, the magnitude: max(R_hat, 0) (``magnitude_out="clip"``) or |R_hat|
-    (``"abs"``), on ``threads`` threads (on either engine: one cheap pass over the series)."""
-    magnitude = np.empty_like(denoised)
+    """``denoise_complex``'s step 5, the magnitude, in place: R_hat = ``denoised`` becomes max(R_hat, 0)
+    (``magnitude_out="clip"``) or |R_hat| (``"abs"``), on ``threads`` threads (on either engine: one cheap pass
+    over the series, with no new series to allocate and write for the first time)."""
 
     def take(s):
         if magnitude_out == "abs":
-            np.abs(denoised[s], out=magnitude[s])
+            np.abs(denoised[s], out=denoised[s])
         else:
-            np.maximum(denoised[s], 0, out=magnitude[s])
+            np.maximum(denoised[s], 0, out=denoised[s])
 
     _by_slabs(take, denoised, threads)
-    return magnitude
+    return denoised
