@@ -222,6 +222,7 @@ def test_the_remodulated_phase_on_the_device_is_numpys(order):
     rng = np.random.default_rng(4)
     denoised = in_order(rng.standard_normal((7, 5, 4, 3)).astype(np.float32), order)
     denoised[0, 1, 2, 1] = np.nan
+    denoised[0, 1, 2, 2] = -0.0  # (R_hat >= 0: phi)
     background = in_order(rng.uniform(-math.pi, math.pi, denoised.shape).astype(np.float32), order)
     background[0, 0, 0, :] = [-math.pi, np.nextafter(np.float32(math.pi), 0), 0]
     mask = rng.uniform(size=denoised.shape[:3]) < 0.7
