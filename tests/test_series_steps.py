@@ -69,25 +69,29 @@ def test_the_blocks_cover_the_series_once_within_their_size(order, whole):
     assert len(blocks) > 1 and (counts == 1).all()
 
 
-def round_trip(series, whole, device):
-    """``series`` * 2, its blocks uploaded to ``device``, doubled there and downloaded."""
+def round_trip(series, whole, device, later=False):
+    """``series`` * 2, its blocks uploaded to ``device``, doubled there and downloaded (``later``: each
+    download left running while the next block goes up)."""
     back = np.full_like(series, np.nan)
     copies = series_steps.Transfers(device)
     for index in series_steps.series_blocks(series, whole, block_values=BLOCK):
         block = copies.upload(series[index])
         assert block.shape == series[index].shape
-        copies.download(block.contiguous() * 2, back[index])  # (another layout than the staging's)
+        copies.download(block.contiguous() * 2, back[index], later=later)  # (another layout than the staging's)
+    copies.finish()
     return back
 
 
 @pytest.mark.parametrize("order", ["C", "F"])
 @pytest.mark.parametrize("whole", [None, "slices"])
 @pytest.mark.parametrize("chunk_values", [series_steps.CHUNK_VALUES, 7])
-def test_blocks_go_to_the_device_and_back_in_their_layout(monkeypatch, order, whole, chunk_values):
-    """In one piece per block, and in pieces of a plane (7 values: fewer than a plane of any block)."""
+@pytest.mark.parametrize("later", [False, True])
+def test_blocks_go_to_the_device_and_back_in_their_layout(monkeypatch, order, whole, chunk_values, later):
+    """In one piece per block, and in pieces of a plane (7 values: fewer than a plane of any block); the
+    downloads left running or not (on the CPU, done at once either way)."""
     monkeypatch.setattr(series_steps, "CHUNK_VALUES", chunk_values)
     series = in_order(np.random.default_rng(9).standard_normal((7, 5, 4, 3)).astype(np.float32), order)
-    np.testing.assert_array_equal(round_trip(series, whole, CPU), 2 * series)
+    np.testing.assert_array_equal(round_trip(series, whole, CPU, later), 2 * series)
 
 
 @pytest.mark.parametrize("order", ["C", "F"])
@@ -329,18 +333,21 @@ def cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("order", ["C", "F"])
 @pytest.mark.parametrize("whole", [None, "slices"])
-def test_blocks_in_pieces_go_to_a_gpu_and_back_unchanged(cuda, monkeypatch, order, whole):
-    """The pieces' copies overlap the host's: no piece of the staging buffer is written before its copy to
-    the device is done, nor read before its copy from the device is."""
+@pytest.mark.parametrize("later", [False, True])
+def test_blocks_in_pieces_go_to_a_gpu_and_back_unchanged(cuda, monkeypatch, order, whole, later):
+    """The pieces' copies overlap the host's, and a download left running overlaps the next upload: no piece
+    of a staging buffer is written before its copy to the device is done, nor read before its copy from the
+    device is, nor a block's memory on the device reused before it has come down."""
     monkeypatch.setattr(series_steps, "CHUNK_VALUES", 7)
     series = in_order(np.random.default_rng(9).standard_normal((7, 5, 4, 3)).astype(np.float32), order)
-    np.testing.assert_array_equal(round_trip(series, whole, torch.device("cuda")), 2 * series)
+    np.testing.assert_array_equal(round_trip(series, whole, torch.device("cuda"), later), 2 * series)
     large = in_order(np.random.default_rng(10).standard_normal((96, 96, 18, 40)).astype(np.float32), order)
     monkeypatch.setattr(series_steps, "CHUNK_VALUES", 1 << 18)
     back = np.full_like(large, np.nan)
     copies = series_steps.Transfers("cuda")
     for index in series_steps.series_blocks(large, whole, block_values=1 << 21):
-        copies.download(copies.upload(large[index]) * 2, back[index])
+        copies.download(copies.upload(large[index]) * 2, back[index], later=later)
+    copies.finish()
     np.testing.assert_array_equal(back, 2 * large)
 
 

@@ -69,40 +69,51 @@ def series_blocks(series: np.ndarray, whole: str | None = None, block_values: in
 
 
 class Transfers:
-    """Copies of blocks between NumPy views and ``device``, through one staging buffer (page-locked on a
-    GPU) that each copy reuses: the host's part on threads (``layout.in_parts``), the block's layout kept
-    (a block of a volume-major series is staged volume-major: no transpose on the host).
+    """Copies of blocks between NumPy views and ``device``, through a staging buffer (page-locked on a GPU)
+    that each copy reuses: the host's part on threads (``layout.in_parts``), the block's layout kept (a block
+    of a volume-major series is staged volume-major: no transpose on the host).
 
     A block goes in pieces of ``CHUNK_VALUES`` along its slowest axis in memory, so that on a GPU the host's
     copy of one piece runs while the device copies another (``non_blocking`` copies from page-locked memory):
     an upload stages piece k + 1 while piece k goes up, a download copies piece k out of the buffer while
-    piece k + 1 comes down. A copy takes about the longer of the two, not their sum. On the CPU the pieces
-    run one after the other."""
+    piece k + 1 comes down. A copy takes about the longer of the two, not their sum. A download may also be
+    left running (``later``): on a stream and a buffer of its own, while the next block goes up and is worked
+    on, until ``finish``. On the CPU every copy is done when its call returns."""
 
     def __init__(self, device):
         self.device = torch_device(device)
+        on_gpu = self.device.type == "cuda"
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        #: On a GPU: recorded after the last device copy out of the buffer; the host writes the buffer
-        #: only once it is done.
+        self.later_buffer = torch.empty(0, dtype=torch.uint8)  # (a download left running: ``download``)
+        self.later_stream = torch.cuda.Stream(self.device) if on_gpu else None
+        #: On a GPU: recorded after the last device copy out of ``buffer``; the host writes the buffer only
+        #: once it is done.
         self.uploaded = None
+        #: A download left running: (its pieces, their events, the staging's NumPy view, ``out``).
+        self.running = None
 
-    def _staged(self, shape, dtype, volume_major: bool):
-        """(NumPy view, torch view) of the staging buffer as an array of ``shape`` and ``dtype``, in Fortran
-        order where ``volume_major``, once the buffer is free (no upload still reads it)."""
-        if self.uploaded is not None:
+    def _staged(self, shape, dtype, volume_major: bool, later=False):
+        """(NumPy view, torch view) of the staging buffer (``later_buffer`` where ``later``) as an array of
+        ``shape`` and ``dtype``, in Fortran order where ``volume_major``, once the buffer is free (no upload
+        still reads it; no download left running still writes it)."""
+        if later:
+            self.finish()
+        elif self.uploaded is not None:
             self.uploaded.synchronize()
             self.uploaded = None
+        name = "later_buffer" if later else "buffer"
         dtype = np.dtype(dtype)
         size = math.prod(shape) * dtype.itemsize
-        if self.buffer.numel() < size:
-            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        flat = self.buffer[:size].view(torch.from_numpy(np.empty(0, dtype)).dtype)
+        if getattr(self, name).numel() < size:
+            setattr(self, name, torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda"))
+        flat = getattr(self, name)[:size].view(torch.from_numpy(np.empty(0, dtype)).dtype)
         staged = flat.view(tuple(shape)[::-1]).permute(*reversed(range(len(shape)))) if volume_major \
             else flat.view(tuple(shape))
         return staged.numpy(), staged
 
     def _recorded_event(self):
-        """A CUDA event recorded on the device's current stream now (None on the CPU: copies are done)."""
+        """A CUDA event recorded now on the device's current stream; None on the CPU, where copies are done
+        when they return."""
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event()
@@ -123,16 +134,42 @@ class Transfers:
         self.uploaded = self._recorded_event()
         return on_device
 
-    def download(self, tensor: torch.Tensor, out: np.ndarray) -> None:
-        """Write ``tensor`` into the NumPy view ``out`` (any layout), cast to its dtype."""
-        host, staged = self._staged(out.shape, out.dtype, _fortran_like(out))
+    def download(self, tensor: torch.Tensor, out: np.ndarray, later=False) -> None:
+        """Write ``tensor`` into the NumPy view ``out`` (any layout), cast to its dtype.
+
+        ``later``: on a GPU, the copy left running on ``later_stream`` after the work queued so far on the
+        current stream (the device copies down while the caller's next block goes up); ``out`` holds the
+        values once ``finish`` (or the next such download) returns."""
+        later = later and self.device.type == "cuda"
+        host, staged = self._staged(out.shape, out.dtype, _fortran_like(out), later)
         if tensor.shape != staged.shape or tensor.stride() != staged.stride() or tensor.dtype != staged.dtype:
             tensor = torch.empty_like(staged, device=tensor.device).copy_(tensor)  # (on the device: one memcpy)
         pieces = _pieces(host)
+        if not later:
+            self._copy_out(pieces, self._copied_down(tensor, staged, pieces), host, out)
+            return
+        self.later_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the work on ``tensor``
+        tensor.record_stream(self.later_stream)  # its memory not reused before the copy is done
+        with torch.cuda.stream(self.later_stream):
+            self.running = (pieces, self._copied_down(tensor, staged, pieces), host, out)
+
+    def finish(self) -> None:
+        """Complete the download left running (``download``'s ``later``), if any."""
+        if self.running is not None:
+            running, self.running = self.running, None
+            self._copy_out(*running)
+
+    def _copied_down(self, tensor, staged, pieces) -> list:
+        """The events of ``tensor``'s pieces copied into the ``staged`` view, queued on the current stream."""
         arrived = []
         for piece in pieces:
             staged[piece].copy_(tensor[piece], non_blocking=True)
             arrived.append(self._recorded_event())
+        return arrived
+
+    @staticmethod
+    def _copy_out(pieces, arrived, host, out) -> None:
+        """Each piece of the staging's NumPy view ``host`` into ``out`` on threads, once it has arrived."""
         threads = _copy_threads(out)
         for piece, event in zip(pieces, arrived):
             if event is not None:
@@ -397,14 +434,15 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
                                   copies.upload(smoothed[slab + (slice(n_volumes, None),)]))
             phi = background_phase_of(first, window, passes)
         demodulated = block_image * torch.polar(torch.ones_like(phi), -phi)
-        # NaN/Inf stay where the engine expects them
+        # NaN/Inf stay where the engine expects them; R comes down while the next block goes up
         copies.download(torch.where(torch.isfinite(block_magnitude), demodulated.real, block_magnitude),
-                        real[index])
+                        real[index], later=True)
         if keep_phase:
             phase[index] = phi
         else:
             copies.download(phi, phase[index])
         copies.download(torch.square(demodulated.imag.to(torch.float64)).mean(dim=-1), imaginary_power[index[:3]])
+    copies.finish()
     return real, phase, imaginary_power
 
 
@@ -420,7 +458,8 @@ def remodulated_phase(denoised: np.ndarray, background, mask: np.ndarray, device
         phi = background[index] if isinstance(background, torch.Tensor) else copies.upload(background[index])
         inside = copies.upload(mask[index[:3]])[..., None]
         turned = wrapped(torch.where(not_negative, phi, phi + np.float32(math.pi)))
-        copies.download(torch.where(inside, turned, torch.zeros_like(turned)), phase[index])
+        copies.download(torch.where(inside, turned, torch.zeros_like(turned)), phase[index], later=True)
+    copies.finish()
     return phase
 
 
