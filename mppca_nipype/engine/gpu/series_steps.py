@@ -421,7 +421,8 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
     real = np.empty(magnitude.shape, np.float32, order=order)
     phase = (_series_on_device(magnitude.shape, order == "F", copies.device) if keep_phase
              else np.empty(magnitude.shape, np.float32, order=order))
-    imaginary_power = np.empty(magnitude.shape[:3])
+    # (X, Y, Z): kept on the device and downloaded once, so that no block waits for its work to finish
+    imaginary_power = torch.empty(magnitude.shape[:3], dtype=torch.float64, device=copies.device)
     for index in series_blocks(magnitude, whole="slices", block_values=block_values):
         block_magnitude = copies.upload(magnitude[index])
         block_image = (copies.upload(image[index]) if image is not None
@@ -441,9 +442,11 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
             phase[index] = phi
         else:
             copies.download(phi, phase[index])
-        copies.download(torch.square(demodulated.imag.to(torch.float64)).mean(dim=-1), imaginary_power[index[:3]])
+        imaginary_power[index[:3]] = torch.square(demodulated.imag.to(torch.float64)).mean(dim=-1)
+    power = np.empty(magnitude.shape[:3])
+    copies.download(imaginary_power, power)
     copies.finish()
-    return real, phase, imaginary_power
+    return real, phase, power
 
 
 def remodulated_phase(denoised: np.ndarray, background, mask: np.ndarray, device, block_values=None) -> np.ndarray:
