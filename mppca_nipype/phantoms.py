@@ -4,7 +4,9 @@
 ``lowrank`` phantom); ``dwi_phantom`` is a head-shaped diffusion-weighted series from a three-compartment
 tensor model, with b-values and gradient directions, so that its signal is low rank only approximately, as
 real data are. ``complex_dwi_phantom`` is that series as a complex image on a smooth background phase that
-changes from volume to volume, returned as magnitude and phase.
+changes from volume to volume, returned as magnitude and phase. ``multi_echo_phantom`` is a multi-echo
+fMRI-like series: every echo decays with the same R2* and carries the same BOLD fluctuations, scaled by its
+echo time.
 """
 
 from __future__ import annotations
@@ -126,3 +128,29 @@ def complex_dwi_phantom(shape=(64, 64, 40), n_volumes=48, sigma=20.0, bvalue=100
     noise = rng.standard_normal((2, *truth.shape))
     image = truth * np.exp(1j * phi) + sigma * (noise[0] + 1j * noise[1])
     return (np.abs(image).astype(np.float32), np.angle(image).astype(np.float32), truth, phi, bvals, bvecs)
+
+
+def multi_echo_phantom(shape=(64, 64, 40), n_volumes=600, echo_times=(14.0, 38.0, 62.0), sigma=8.0,
+                       components=4, seed=0):
+    """A multi-echo fMRI-like series: S_e(x, t) = S0(x) exp(-TE_e R2*(x, t)) plus Gaussian noise of std
+    ``sigma`` per echo.
+
+    S0 is smooth between 600 and 1000; R2*(x, t) = R2*_0(x) (20-40 /s) + a BOLD change of ``components``
+    smooth spatial maps times slow random time courses (about 0.5 /s rms), so that the echoes share their
+    temporal components, each scaled by its echo time (ms) and its own decay. Returns ``(noisy, truth)``,
+    float32 of shape ``(*shape, E, n_volumes)``: the (X, Y, Z, E, T) layout ``denoise`` takes.
+    """
+    rng = np.random.default_rng(seed)
+    s0 = 800.0 + 200.0 * _smooth_fields(rng, shape, 1)[0]
+    r2_base = 30.0 + 10.0 * _smooth_fields(rng, shape, 1)[0]
+    maps = _smooth_fields(rng, shape, components)
+    # slow time courses: white noise smoothed over ~8 volumes, scaled to unit rms
+    kernel = np.hanning(17)
+    courses = np.stack([np.convolve(rng.standard_normal(n_volumes + 16), kernel, mode="valid")[:n_volumes]
+                        for _ in range(components)])
+    courses /= np.sqrt(np.mean(courses**2, axis=1, keepdims=True))
+    r2 = r2_base[..., None] + 0.5 / np.sqrt(components) * np.tensordot(maps, courses, axes=(0, 0))  # (X,Y,Z,T)
+    times = np.asarray(echo_times, dtype=np.float64) / 1000.0
+    truth = s0[..., None, None] * np.exp(-times[None, None, None, :, None] * r2[..., None, :])
+    noisy = truth + sigma * rng.standard_normal(truth.shape)
+    return noisy.astype(np.float32), truth.astype(np.float32)
