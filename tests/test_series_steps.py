@@ -309,6 +309,44 @@ def test_a_noise_floor_with_the_torch_steps_is_the_numpy_steps(monkeypatch, orde
     assert torch_steps.denoised.flags.f_contiguous == (order == "F")
 
 
+def test_a_gpu_memory_budget_sizes_the_steps_blocks():
+    from mppca_nipype.engine import GPUMemory
+
+    assert series_steps.block_values_within(None, CPU) == series_steps.BLOCK_VALUES
+    assert series_steps.block_values_within(GPUMemory(1.0), CPU) == 2**30 // series_steps.PEAK_BYTES_PER_VALUE
+    assert series_steps.block_values_within(GPUMemory(1e-9), CPU) == 1 << 12
+    assert series_steps.block_values_within(GPUMemory(1000.0), CPU) == series_steps.BLOCK_VALUES
+
+
+@pytest.mark.parametrize("pipeline", ["hann", "mppca", "rician"])
+def test_the_pipelines_steps_keep_within_a_gpu_memory_budget(monkeypatch, pipeline):
+    """With a budget (the engine holds it only while it runs) every step's blocks are sized by it, and the
+    results are those of the unlimited run."""
+    magnitude, phase, truth = complex_dwi_phantom((17, 15, 9), 16, sigma=60.0, seed=4)[:3]
+    torch_steps_on_the_cpu(monkeypatch)
+    sizes = []
+    series_blocks = series_steps.series_blocks
+
+    def recorded(series, whole=None, block_values=None):
+        sizes.append(block_values)
+        return series_blocks(series, whole, block_values)
+
+    monkeypatch.setattr(series_steps, "series_blocks", recorded)
+
+    def run(**budget):
+        if pipeline == "rician":
+            return denoise(magnitude, device="cpu", nprocs=1, noise_floor="rician", **budget)
+        return denoise_complex(magnitude, phase, device="cpu", nprocs=1, phase_method=pipeline, **budget)
+
+    unlimited = run()
+    assert sizes and set(sizes) == {series_steps.BLOCK_VALUES}
+    sizes.clear()
+    budgeted = run(gpu_memory=0.0005)  # GiB: 5,592 values a block, a few z-planes of 17 x 15
+    assert sizes and set(sizes) == {int(0.0005 * 2**30) // series_steps.PEAK_BYTES_PER_VALUE}
+    np.testing.assert_allclose(budgeted.denoised, unlimited.denoised, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(budgeted.sigma, unlimited.sigma)
+
+
 # -- where they run ----------------------------------------------------------------------------------------
 
 def test_the_steps_run_on_the_host_with_the_cpu_engine():

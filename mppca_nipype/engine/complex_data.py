@@ -258,10 +258,14 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     # the steps over the whole series run where the engine does: with torch on the GPU, else with NumPy here
     on_gpu = steps_device(device, magnitude.shape, options, nprocs) == "cuda"
     if on_gpu:
+        from .gpu.series_steps import block_values_within
+
+        budget = resolve_gpu_memory(gpu_memory)
+        blocks = block_values_within(budget, "cuda")  # (the engine's budget holds only while it runs)
         real, background, imaginary_power = _demodulated_on_gpu(magnitude, radians, image, phase_method=phase_method,
                                                                 width=phase_width, passes=phase_passes,
-                                                                first_pass=first_pass, lap=lap,
-                                                                budget=resolve_gpu_memory(gpu_memory))
+                                                                first_pass=first_pass, lap=lap, budget=budget,
+                                                                blocks=blocks)
     else:
         real, background, imaginary = _demodulated(magnitude, radians, image, phase_method=phase_method,
                                                    width=phase_width, passes=phase_passes, threads=threads,
@@ -281,7 +285,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     if on_gpu:
         from .gpu.series_steps import remodulated_phase
 
-        out_phase = remodulated_phase(denoised, background, mask, "cuda")
+        out_phase = remodulated_phase(denoised, background, mask, "cuda", blocks)
     else:
         del imaginary
         out_phase = _remodulated_phase(denoised, background, mask, threads)
@@ -329,20 +333,20 @@ def _demodulated(magnitude, radians, image, *, phase_method, width, passes, thre
     return real, background, imaginary
 
 
-def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passes, first_pass, lap, budget):
+def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passes, first_pass, lap, budget, blocks):
     """``_demodulated`` with torch on the GPU (``gpu.series_steps``), the complex series never built on the
     host: (R, phi, the mean over volumes of I^2 per voxel). phi stays on the device for the remodulation
     where no GPU memory budget was asked for (``budget`` None: the engine plans around what it holds) and it
-    is small beside the device's memory (``series_steps.stays_on_device``)."""
+    is small beside the device's memory (``series_steps.stays_on_device``); blocks of ``blocks`` values."""
     from .gpu.series_steps import complex_parts, demodulate_series, stays_on_device
 
     smoothed = None
     if phase_method == "mppca":
-        smoothed = first_pass(complex_parts(magnitude, radians, image, device="cuda"))
+        smoothed = first_pass(complex_parts(magnitude, radians, image, device="cuda", block_values=blocks))
         lap("first pass")
     keep_phase = budget is None and stays_on_device(magnitude.size * 4, "cuda")
     return demodulate_series(magnitude, radians, image, smoothed, width=width, passes=passes, device="cuda",
-                             keep_phase=keep_phase)
+                             keep_phase=keep_phase, block_values=blocks)
 
 
 def _remodulated_phase(denoised, background, mask, threads):

@@ -212,7 +212,8 @@ def _in_chunks(function, values, out, threads: int | None = 1):
 SIGMA_BISECTIONS = 14
 
 
-def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int, threads: int = 1, device=None):
+def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int, threads: int = 1, device=None,
+                               block_values=None):
     """The channels' sigma from MP-PCA's noise level of magnitude data, voxel by voxel.
 
     MP-PCA measures the spread of m itself, sigma * s(theta), which at low SNR lies below sigma (Rayleigh
@@ -221,14 +222,15 @@ def noise_level_from_magnitude(sigma_magnitude, mean_magnitude, coils: int, thre
     between s(0) and 1, sigma lies between sigma_mp and sigma_mp / s(0): found by SIGMA_BISECTIONS bisections
     (``sigma_magnitude`` (X, Y, Z), ``mean_magnitude`` (X, Y, Z, T); 0 stays 0), slabs of x-planes on
     ``threads`` threads (each voxel's arithmetic is the same whatever the slabs); or, with a torch ``device``,
-    there in blocks (``gpu.series_steps.noise_level``).
+    there in blocks of ``block_values`` (``gpu.series_steps.noise_level``).
     """
     thetas = np.arange(0, THETA_MAX + THETA_STEP / 2, THETA_STEP)
     means, variances = magnitude_mean(thetas, coils), np.square(magnitude_sd(thetas, coils))
     if device is not None:
         from .gpu.series_steps import noise_level
 
-        return noise_level(sigma_magnitude, mean_magnitude, means, variances, SIGMA_BISECTIONS, device)
+        return noise_level(sigma_magnitude, mean_magnitude, means, variances, SIGMA_BISECTIONS, device,
+                           block_values)
     sigma_mp = np.asarray(sigma_magnitude, np.float64)
     sigma = np.zeros(sigma_mp.shape)
     planes = max(1, CHUNK // max(1, math.prod(mean_magnitude.shape[1:])))
@@ -300,10 +302,17 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     # the transforms and the noise level run where the engine does: with torch on the GPU, else with NumPy here
     on_gpu = steps_device(run_options.get("device", "auto"), data.shape, denoise_options,
                           run_options.get("nprocs")) == "cuda"
-    device = "cuda" if on_gpu else None
+    device = blocks = None
+    if on_gpu:
+        from . import resolve_gpu_memory
+        from .gpu.series_steps import block_values_within
+
+        device = "cuda"
+        blocks = block_values_within(resolve_gpu_memory(run_options.get("gpu_memory")), device)
     if noise is None:
         first = denoise(data, mask, **denoise_options, **run_options)
-        sigma = noise_level_from_magnitude(first.sigma, first.denoised, coils, threads, device=device)
+        sigma = noise_level_from_magnitude(first.sigma, first.denoised, coils, threads, device=device,
+                                           block_values=blocks)
         del first
         lap("first pass")
     else:
@@ -321,7 +330,7 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     if on_gpu:
         from .gpu.series_steps import stabilize_series
 
-        stabilized = stabilize_series(data, scale, transform, device)
+        stabilized = stabilize_series(data, scale, transform, device, blocks)
     else:
         stabilized = np.empty_like(data)
         np.divide(data, scale[..., None], out=stabilized)
@@ -334,7 +343,8 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     if on_gpu:
         from .gpu.series_steps import unstabilize_series
 
-        unstabilize_series(signal, np.where(mask, scale, 0).astype(np.float32), transform, device)  # 0 outside
+        unstabilize_series(signal, np.where(mask, scale, 0).astype(np.float32), transform, device,
+                           blocks)  # 0 outside the mask
     else:
         _in_chunks(transform.inverse, signal, signal, threads)
         signal *= scale[..., None]

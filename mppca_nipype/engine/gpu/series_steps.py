@@ -31,6 +31,9 @@ BLOCK_VALUES = 1 << 24
 #: A series a step's result may stay on the device as, between two steps, takes at most this share of the
 #: device's memory (``stays_on_device``).
 RESIDENT_SHARE = 1 / 16
+#: Device bytes a step holds per value of its block at its peak (the block, its complex64 / float64 / int64
+#: temporaries, the next piece's copy): the bound ``block_values_within`` sizes blocks by.
+PEAK_BYTES_PER_VALUE = 96
 
 
 def torch_device(device) -> torch.device:
@@ -221,6 +224,18 @@ def _copy_on_threads(out: np.ndarray, values: np.ndarray, threads: int | None = 
         staging(values[where], out[where])
 
     in_parts(copy, out.shape[axis], out.size, threads)
+
+
+def block_values_within(budget, device) -> int:
+    """Values per block (``series_blocks``) such that a step's peak stays within a GPU memory ``budget``
+    (``engine.GPUMemory``; None: ``BLOCK_VALUES``): the engine holds its budget through torch's per-process
+    fraction only while it runs, so the steps around it size their blocks themselves. At least one 64 x 64
+    plane's worth, whatever the budget."""
+    if budget is None:
+        return BLOCK_VALUES
+    device = torch_device(device)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    return int(min(BLOCK_VALUES, max(1 << 12, budget.bytes_of(total) // PEAK_BYTES_PER_VALUE)))
 
 
 def stays_on_device(nbytes: int, device) -> bool:
