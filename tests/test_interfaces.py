@@ -69,8 +69,9 @@ def test_provenance_records_parameters_backend_versions_and_checksum(series, tmp
     timings = provenance["Timings"]  # seconds by phase, the engine's parts within "denoise"
     assert list(timings) == ["read", "denoise", "write", "total"]
     assert set(timings["denoise"]["parts"]) == {"input check", "plan", "backend", "output"}
-    assert sum(timings["denoise"]["parts"].values()) <= timings["denoise"]["seconds"] + 1e-3
-    assert timings["read"] + timings["denoise"]["seconds"] + timings["write"] <= timings["total"] + 1e-3
+    # each figure is rounded to the ms: a sum of k of them may pass the rounded whole by (k + 1) / 2 ms
+    assert sum(timings["denoise"]["parts"].values()) <= timings["denoise"]["seconds"] + 2.5e-3
+    assert timings["read"] + timings["denoise"]["seconds"] + timings["write"] <= timings["total"] + 2e-3
     # the phantom's noise is 20: the median estimate inside the image must be near it
     assert 10 < provenance["NoiseMedian"] < 30
     assert 0 <= provenance["RankMedian"] <= N_DWI
