@@ -6,7 +6,7 @@ float64's, and its time per window.
 
 One process, one BLAS thread (as each CPU worker runs). For each phantom (``cpu_peers.make_phantom``:
 DWI and low-rank, several lengths) and each setting the float32 pass takes (voxel or volume demeaning,
-exp1 or exp2), up to ``--windows`` windows of the plan (its first ones: the head's edge and the background
+the four estimators), up to ``--windows`` windows of the plan (its first ones: the head's edge and the background
 beside it, where the largest eigenvalue is furthest above the noise) go through ``cpu.window_spectra`` in
 float32 and in float64, and through ``cpu.fit_windows`` in float32 (unsettled windows redone in float64):
 
@@ -43,7 +43,7 @@ from mppca_nipype.engine import DEFAULTS, _finite_input, _plan, check_data, cpu,
 #: (phantom, volumes)
 PHANTOMS = [("dwi:20", 100), ("dwi:10", 32), ("lowrank:5", 64), ("dwi:40", 300), ("lowrank:2", 48)]
 #: (demeaning, estimator)
-SETTINGS = [("volume", "exp2"), ("voxel", "exp1"), ("volume", "exp1")]
+SETTINGS = [("volume", "exp2"), ("voxel", "exp1"), ("volume", "exp1"), ("volume", "olesen2023"), ("voxel", "med")]
 
 
 def best_per_window(call, n_windows, repeats):

@@ -13,8 +13,8 @@ number, in the (V, T) rows they gather patches from: a volume-major series is re
 ``layout``) and each limits its BLAS to one thread: on matrices of 48 x 48, one thread per process is faster
 than a multithreaded BLAS fighting over the same cores. ``PROFILE`` times every phase (``PhaseClock``).
 
-Precision (``first_pass_dtype``): with voxel or volume demeaning, the spread estimators, the hard threshold
-and the noise estimated, the windows run in float32 first (gather, Gram, LAPACK's reduction and eigenvalues,
+Precision (``first_pass_dtype``): with voxel or volume demeaning, the hard threshold and the noise
+estimated, the windows run in float32 first (gather, Gram, LAPACK's reduction and eigenvalues,
 projection; the threshold in float64), 1.2-1.3x faster than float64 on the defaults' windows. A window
 whose rank float32's error could change (``SETTLE_SLACK``) is redone in float64 (``fit_windows``), so ranks
 are float64's. Without demeaning (dwidenoise's mode) the patch's mean would drown the noise eigenvalues in
@@ -44,7 +44,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from . import lapack
 from .backend import PatchSums, available_cpus
 from .errors import MPPCAWarning
-from .estimators import (SPREAD_ESTIMATORS, aggregation_weights, component_weights, given_noise_threshold,
+from .estimators import (aggregation_weights, component_weights, given_noise_threshold,
                          marchenko_pastur_edge, marchenko_pastur_threshold)
 from .layout import is_volume_major, rows_of_planes
 
@@ -217,10 +217,9 @@ class WindowSpectra:
 
 def first_pass_dtype(options):
     """float32 where the patches are demeaned and the rank's settling test exists
-    (``estimators.marchenko_pastur_threshold``'s uncertainty: the spread estimators, the hard threshold, the
+    (``estimators.marchenko_pastur_threshold``'s uncertainty: every estimator, the hard threshold, the
     noise estimated); float64 elsewhere."""
-    if (options.demean in ("voxel", "volume") and options.estimator in SPREAD_ESTIMATORS
-            and options.filter == "hard" and not options.noise_given):
+    if options.demean in ("voxel", "volume") and options.filter == "hard" and not options.noise_given:
         return np.float32
     return np.float64
 

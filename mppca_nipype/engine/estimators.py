@@ -86,7 +86,8 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
         Patches whose rank could differ were every eigenvalue moved by up to ``uncertainty``: each lambda
         and sigma^2(P) then move by at most delta / q and the spread by delta / (2 q sqrt(gamma)), so a test
         whose two sides are closer than delta / q (1 + 1 / (2 sqrt(gamma))) could go either way; the rank is
-        settled when the last surely compatible P is the last possibly compatible one.
+        settled when the last surely compatible P is the last possibly compatible one. For ``med`` and
+        ``olesen2023`` see ``_edge_threshold``.
 
     Notes
     -----
@@ -112,9 +113,7 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
     # k: the number of noise components if this eigenvalue is the largest of them
     k = xp.where(usable, index - first_usable + 1, xp.ones_like(eigenvalues))
     if estimator not in SPREAD_ESTIMATORS:
-        if uncertainty is not None:
-            raise ValueError(f"the rank's uncertainty is tested for the spread estimators only, not {estimator!r}")
-        return _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator)
+        return _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator, uncertainty)
     lam_r = xp.min(xp.where(usable, lam, xp.full_like(lam, float("inf"))), axis=1, keepdims=True)
     gamma = k / q if estimator == "exp1" else k / (q - (r - k))
     sigma2_k = xp.cumulative_sum(lam, axis=1) / k
@@ -144,8 +143,9 @@ def _last_true(xp, flags):
     return xp.where(xp.any(flags, axis=1), last, xp.full_like(last, -1))
 
 
-def _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator):
-    """(rank, sigma2) by ``med`` or ``olesen2023``; the arrays as ``marchenko_pastur_threshold`` builds them.
+def _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator, uncertainty=None):
+    """(rank, sigma2) by ``med`` or ``olesen2023``, and with ``uncertainty`` whether the rank is unsettled; the
+    arrays as ``marchenko_pastur_threshold`` builds them.
 
     For P = 0 .. r - 1 signal components, the r - P smallest lambda are taken as the eigenvalues of an
     (r - P) x (q - P) noise matrix (the degrees of freedom left once P components are fitted: Cordero-Grande
@@ -160,6 +160,13 @@ def _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator):
     of the whole patch, sigma^2(P) (1 + sqrt(r / q))^2; P_hat is the smallest such P, sigma^2 = sigma^2(P_hat),
     and the rank is the number of lambda_i above that edge at sigma^2 (``given_noise_threshold``'s rule), at
     most P_hat. No noise-compatible P: rank r, sigma^2 = 0.
+
+    Unsettled, when every eigenvalue may move by up to delta (``uncertainty``): lambda_i and the mean or the
+    median of any of them then move by at most delta / q (an order statistic moves no more than the values
+    do), so a test lambda_i < sigma^2(P) e (e the edge factor, sigma^2(P) = scale(P) times that mean or
+    median) can flip only within delta / q (1 + scale(P) e). P_hat is settled when the last surely compatible
+    P is the last possibly compatible one, and the count when no lambda_i lies that close to the chosen edge
+    (the same test as the GPU's ``threshold._edge_rank_of``).
     """
     dtype = lam.dtype
     m = lam.shape[-1]
@@ -183,7 +190,16 @@ def _edge_threshold(xp, lam, usable, k, r, q, index, first_usable, estimator):
                       xp.zeros_like(r[:, 0]))
     above = usable & (lam > sigma2[:, None] * edge_factor)
     rank = xp.where(any_compatible, xp.sum(xp.astype(above, xp.int64), axis=1), xp.astype(r[:, 0], xp.int64))
-    return rank, sigma2
+    if uncertainty is None:
+        return rank, sigma2
+    reach = xp.astype(uncertainty, dtype)[:, None] / q  # how far lambda, the mean and the median may move
+    bound = reach * (1.0 + scale * edge_factor)
+    margin = sigma2_k * edge_factor - lam
+    unsettled = _last_true(xp, usable & (margin > bound)) != _last_true(xp, usable & (margin > -bound))
+    chosen_bound = xp.sum(xp.where(chosen, bound, xp.zeros_like(lam)), axis=1, keepdims=True)
+    near_edge = usable & (xp.abs(lam - sigma2[:, None] * edge_factor) <= chosen_bound)
+    unsettled = unsettled | (any_compatible & xp.any(near_edge, axis=1))
+    return rank, sigma2, unsettled
 
 
 def marchenko_pastur_median(beta):
