@@ -55,8 +55,8 @@ BATCH_BYTES = 12 * 2**20
 
 #: How far (in float32 roundings of the largest eigenvalue) LAPACK's float32 eigenvalues may be from the true
 #: ones before a window's rank counts as unsettled and is redone in float64. On five phantoms' windows the
-#: errors were a median of 0.8-1.2 roundings; at 2, 6.9% of the windows are redone and none whose rank
-#: differs from float64's is missed (docs/benchmarks.md, "The CPU's float32 first pass").
+#: errors were a median of 0.8-1.2 roundings; at 2, 4.9% of the windows are redone (the four estimators) and
+#: none whose rank differs from float64's is missed (docs/benchmarks.md, "The CPU's float32 first pass").
 SETTLE_SLACK = 2.0
 
 #: When true, ``denoise_cpu`` times each phase of the work in the workers and the parent and reports it in
