@@ -134,10 +134,7 @@ def main(argv=None):
     args.phantoms = PHANTOMS[:2] if args.quick else PHANTOMS
     if args.quick:
         args.shape, args.windows, args.repeats = (16, 16, 12), 200, 1
-    run = harness.stamp()
-    result = dict(stamp=run, **measure(args))
-    harness.write_result(args.out, result, markdown=harness.stamp_markdown(run) + "\n\n" + markdown(result))
-    print(markdown(result))
+    harness.measure_and_write(args.out, lambda: measure(args), markdown)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,16 @@ def write_result(path, result: dict, markdown: str | None = None) -> list[Path]:
     return written
 
 
+def measure_and_write(path, measure, table) -> dict:
+    """Stamp a run, ``measure()`` (a dict of fields), write the stamped result to ``path`` with its Markdown
+    (the stamp, then ``table(result)``) and print the table; returns the result."""
+    run = stamp()
+    result = dict(stamp=run, **measure())
+    write_result(path, result, markdown=stamp_markdown(run) + "\n\n" + table(result))
+    print(table(result))
+    return result
+
+
 # -- what the stamp says, in words ------------------------------------------------------------------------
 
 def load_line(run: dict) -> str:

@@ -117,10 +117,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.shape, args.volumes, args.extents = (12, 12, 8), 60, [3]
-    run = harness.stamp()
-    result = dict(stamp=run, **measure(args))
-    harness.write_result(args.out, result, markdown=harness.stamp_markdown(run) + "\n\n" + markdown(result))
-    print(markdown(result))
+    harness.measure_and_write(args.out, lambda: measure(args), markdown)
 
 
 if __name__ == "__main__":
