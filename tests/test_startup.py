@@ -353,3 +353,26 @@ def test_a_script_without_a_main_guard_runs_in_one_process_and_says_why(tmp_path
         "    " + line + "\n" for line in CALL.splitlines()))
     assert guarded[0] == 2 and "MPPCAWarning" not in guarded[2]
     assert unguarded[1] == called_from_a_function[1] == guarded[1]
+
+
+def test_a_usable_gpu_starts_hashing_triton_beside_the_run(monkeypatch):
+    """Once ``usable()`` has found a GPU, Triton's own hash (its cache keys' first part, 0.3-0.4 s per process on
+    the H200 machine) is computed on a thread: the first kernel launch finds it done."""
+    pytest.importorskip("triton")
+    from triton.runtime.cache import triton_key
+
+    from mppca_nipype.engine import gpu
+
+    monkeypatch.setattr(gpu, "_triton_hashing", None)
+    triton_key.cache_clear()
+    gpu._hash_triton_in_the_background()
+    thread = gpu._triton_hashing
+    assert thread is not None and thread.daemon
+    gpu._hash_triton_in_the_background()  # once per process
+    assert gpu._triton_hashing is thread
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert triton_key.cache_info().currsize == 1
+    assert triton_key.cache_info().hits == 0  # (the thread's call filled it; nothing else asked)
+    triton_key()
+    assert triton_key.cache_info().hits == 1

@@ -15,6 +15,7 @@ from pathlib import Path
 import stat
 import sys
 import tempfile
+import threading
 
 __all__ = ["usable", "absent_reason", "visible_devices", "use_kernel_cache", "kernel_cache_dir"]
 
@@ -113,7 +114,34 @@ def usable() -> str | None:
         return f"the CUDA device cannot be used ({type(err).__name__}: {err})"
     if major < 7:
         return f"the CUDA device has compute capability {major}.x; the Triton kernels need 7.0 or newer"
+    _hash_triton_in_the_background()
     return None
+
+
+_triton_hashing = None
+
+
+def _hash_triton_in_the_background() -> None:
+    """Start computing, on a thread, the part of every Triton cache key that hashes Triton's own files
+    (``triton.runtime.cache.triton_key``: SHA-256 over its ~400 MB compiler library, 0.3-0.4 s on the H200
+    machine, once per process, at the first kernel launch): it then runs beside torch's start, the read and
+    the plan, and the hashing releases the GIL. Should the first launch come first, it hashes beside the
+    thread (the function caches its result; the two are the same) and waits no longer than without it."""
+    global _triton_hashing
+    if _triton_hashing is not None:
+        return
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # (a Triton that keys its cache otherwise)
+        return
+    def hash_quietly():
+        try:
+            triton_key()
+        except Exception:  # noqa: BLE001 - the first launch calls it again and reports what went wrong
+            pass
+
+    _triton_hashing = threading.Thread(target=hash_quietly, name="mppca-triton-key", daemon=True)
+    _triton_hashing.start()
 
 
 def _driver_devices() -> int:
