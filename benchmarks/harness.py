@@ -58,7 +58,8 @@ def stamp() -> dict:
     git checkout), ``dirty`` (bool; None when unknown),
     ``dirty_files`` (those changed files), ``date`` (ISO 8601, UTC), ``hardware`` (see ``hardware()``),
     ``load_average`` (``{"start": [1, 5, 15 min]}``; ``finish`` adds ``"end"``), ``versions`` (see
-    ``versions()``), ``python``, ``platform``, ``command`` (the interpreter and ``sys.argv``, shell-quoted),
+    ``versions()``), ``python``, ``bytecode_cached`` (whether new processes may keep compiled modules),
+    ``platform``, ``command`` (the interpreter and ``sys.argv``, shell-quoted),
     ``argv`` (the same as a list) and ``cwd``. Call it after pinning the process to its CPUs, so that
     ``hardware["usable_cpus"]`` says which ones the run had.
     """
@@ -77,6 +78,9 @@ def stamp() -> dict:
         load_average=dict(start=_load_average()),
         versions=versions(),
         python=platform.python_version(),
+        # False where PYTHONDONTWRITEBYTECODE is set: every new process then compiles the modules it imports
+        # that have no cached bytecode (seconds for torch), which a normal install does not
+        bytecode_cached=not sys.dont_write_bytecode,
         platform=platform.platform(),
         command=shlex.join(argv),
         argv=argv,
@@ -163,10 +167,12 @@ def stamp_markdown(run: dict) -> str:
     else:
         gpus = "; no GPU"
     libraries = ", ".join(f"{name} {version}" for name, version in run["versions"].items())
+    bytecode = (" (no bytecode written: modules without a compiled copy were compiled in each process)"
+                if run.get("bytecode_cached") is False else "")
     return (f"Commit {commit}; {run['date']} (UTC). CPU: {hw['cpu_model']} ({cpus}){memory}{gpus}; "
             f"{load_line(run)}.\n"
             f"Command: `{run['command']}`.\n"
-            f"Python {run['python']}; {libraries}.")
+            f"Python {run['python']}{bytecode}; {libraries}.")
 
 
 # -- what the stamp holds ----------------------------------------------------------------------------------
