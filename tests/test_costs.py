@@ -56,3 +56,25 @@ def test_a_small_series_on_auto_never_imports_torch():
               "print(r.info['backend'], 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["cpu", "False"]
+
+
+def test_the_calibration_recovers_the_constants_that_made_its_times(monkeypatch):
+    """``benchmarks/auto_costs.py``'s fit, on engine times made by known constants, gives them back."""
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import auto_costs
+
+    truth = dict(product=1.3e-10, eigen=6.0e-10, window=2.0e-4, serial=0.08)
+    rows = []
+    for case in auto_costs.CASES:
+        terms, windows = auto_costs.features(case)
+        rows.append(dict(case=case.label, windows=windows, terms=terms.tolist(),
+                         one_worker=auto_costs.model_seconds(terms, truth, 1),
+                         workers=auto_costs.model_seconds(terms, truth, 16) - costs.CPU_START_SECONDS))
+    fitted = auto_costs.fit(rows, 16)
+    for name in truth:
+        assert fitted[name] == pytest.approx(truth[name], rel=1e-6), name
+    assert "| the seed's problem | 12,600 |" in auto_costs.table(dict(rows=rows, workers=16, fitted=fitted,
+                                                                         current=auto_costs.current_constants()))
