@@ -53,7 +53,6 @@ seconds = time.perf_counter() - started
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults  # this process's: all of them on 1 worker
 print(json.dumps(dict(seconds=seconds, batch_mb=cpu.BATCH_BYTES / 2**20, minor_faults=faults,
                       eigensolver=result.info["eigensolver"], windows=result.info["n_windows"],
-                      units=result.info["n_units"],
                       phases=result.info["seconds"], profile=result.info.get("profile"))))
 """
 
@@ -71,8 +70,7 @@ def run_workers(shape: str, volumes: int, workers: int, profile: bool, batch_mb:
 def table(result: dict) -> str:
     rows = result["rows"]
     base = rows[0]["seconds"] * rows[0]["workers"]
-    lines = [f"{result['shape']} x {result['volumes']} volumes, the defaults, {rows[0]['windows']} windows in "
-             f"{rows[0]['units']} units, "
+    lines = [f"{result['shape']} x {result['volumes']} volumes, the defaults, {rows[0]['windows']} windows, "
              f"eigensolver {rows[0]['eigensolver']}; one run per worker count, each in a new process after a "
              "warm-up call.", "",
              "| workers | batch MB | wall s | speed-up | efficiency | minor page faults (caller) |",

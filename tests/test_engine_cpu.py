@@ -15,7 +15,6 @@ ranks are float64's.
 
 import itertools
 import threading
-import time
 import warnings
 
 import numpy as np
@@ -290,209 +289,40 @@ def test_workers_started_by_a_forkserver_give_the_same_bits(monkeypatch):
     assert np.array_equal(one.rank, two.rank)
 
 
-def test_units_cut_each_x_plane_between_rows_of_windows_and_cover_every_window_once():
-    from mppca_nipype.engine.cpu import UNIT_WINDOWS, work_units
-    from mppca_nipype.engine.patches import plan_patches
-
-    shape = (96, 96, 60)
-    everything = np.ones(shape, bool)
-    plan = plan_patches(shape, (7, 7, 7), 3, everything, everything)  # the defaults: 31 x-planes of 589 windows
-    units = work_units(plan)
-    assert len(units) == 31 * 10  # ceil(589 / 64) units per x-plane
-    assert units[0].start == 0 and units[-1].stop == plan.n_windows
-    assert all(a.stop == b.start for a, b in zip(units, units[1:]))
-    sizes = [unit.stop - unit.start for unit in units]
-    assert 0.8 * UNIT_WINDOWS <= min(sizes) and max(sizes) <= 1.2 * UNIT_WINDOWS
-    added = np.zeros(shape[:2], dtype=np.int64)
-    for unit in units:
-        corner = plan.window_corner[unit.start:unit.stop]
-        assert np.all(corner[:, 0] == unit.x0)
-        assert unit.y0 == corner[:, 1].min() and unit.y0 + unit.rows == corner[:, 1].max() + 7  # rows it touches
-        assert np.array_equal(unit.turns, added[unit.region])  # the units before it in each (x, y) row
-        added[unit.region] += 1
-
-
-def test_a_unit_adds_into_a_row_only_after_the_units_before_it():
-    from mppca_nipype.engine.cpu import RowTurns, work_units
+def test_a_unit_adds_into_a_plane_only_after_the_units_before_it():
+    from mppca_nipype.engine.cpu import PlaneTurns, work_units
     from mppca_nipype.engine.patches import plan_patches
 
     shape = (7, 5, 6)
     everything = np.ones(shape, bool)
     units = work_units(plan_patches(shape, (3, 3, 3), 1, everything, everything))  # unit k: x-planes k..k+2
     assert [unit.x0 for unit in units] == [0, 1, 2, 3, 4]
-    assert [unit.turns[:, 0].tolist() for unit in units[:3]] == [[0, 0, 0], [1, 1, 0], [2, 1, 0]]
-    turns = RowTurns(np.zeros(shape[:2], dtype=np.int64), threading.Condition())
-    every_row = np.ones(units[1].turns.shape, bool)
-    assert turns.ready(units[1], every_row)[:, 0].tolist() == [False, False, True]  # x-plane 3: no unit before
-    turns.done(units[1], turns.ready(units[1], every_row))
-    planes_1_2 = np.zeros_like(every_row)
-    planes_1_2[:2] = True
-    waiting = threading.Thread(target=turns.ready, args=(units[1], planes_1_2), kwargs=dict(wait=True))
+    assert [list(unit.turns) for unit in units[:3]] == [[0, 0, 0], [1, 1, 0], [2, 1, 0]]
+    turns = PlaneTurns(np.zeros(shape[0], dtype=np.int64), threading.Condition())
+    assert turns.ready(units[1], [0, 1, 2]) == [2]  # x-plane 3: no unit before it adds there
+    turns.done(units[1], [2])
+    waiting = threading.Thread(target=turns.ready, args=(units[1], [0, 1]))
     waiting.start()
     waiting.join(0.2)
     assert waiting.is_alive()  # x-planes 1 and 2 wait for unit 0
-    assert turns.ready(units[0], every_row).all()
-    turns.done(units[0], every_row)
+    assert turns.ready(units[0], [0, 1, 2]) == [0, 1, 2]
+    turns.done(units[0], [0, 1, 2])
     waiting.join(5)
     assert not waiting.is_alive()
-    assert turns.added[:, 0].tolist() == [1, 1, 1, 1, 0, 0, 0]
+    assert list(turns.added) == [1, 1, 1, 1, 0, 0, 0]
 
 
-def _unit_runs_in_threads(monkeypatch, kept_planes, fail_at=None):
-    """Two threads run the 5 units of a (7, 5, 6) plan as two workers would (``cpu.run_in_turn``), unit 0's
-    work held until released; slabs of random numbers stand in for the windows'. Returns (release unit 0,
-    wait for both threads' ends, the units each thread ran, what each raised, the counter, the sums, and the
-    sums of one thread alone, when no unit fails)."""
-    from types import SimpleNamespace
-
-    from mppca_nipype.engine import cpu
-    from mppca_nipype.engine.patches import plan_patches
-
-    monkeypatch.setattr(cpu, "KEPT_PLANES", kept_planes)  # each unit's slab covers every y row (5)
-    shape, n_volumes = (7, 5, 6), 4
-    everything = np.ones(shape, bool)
-    plan = plan_patches(shape, (3, 3, 3), 1, everything, everything)
-    units = cpu.work_units(plan)
-    options = SimpleNamespace(aggregation="weighted")
-    hold = threading.Event()
-    ran = {"first": [], "second": []}
-
-    def work(volume, finite, plan, options, unit, sums, clock, who=None):
-        if who is not None:
-            ran[who].append(unit.x0)
-        if unit.x0 == 0:
-            hold.wait(10)
-        if unit.x0 == fail_at:
-            raise FloatingPointError(f"unit {unit.x0} failed")
-        rng = np.random.default_rng(unit.x0)
-        slab = cpu.unit_slab(unit, plan, n_volumes, image=True, lambda_plus=False)
-        for part in slab:
-            part[...] = rng.standard_normal(part.shape)
-        return slab
-
-    def new_sums():
-        n_voxels = int(np.prod(shape))
-        return cpu._patch_sums([np.zeros((n_voxels, n_volumes), np.float32)] + [np.zeros(n_voxels)] * 3)
-
-    def shared_run(sums, turns, counter, who, raised):
-        try:
-            cpu.run_in_turn(lambda *args: work(*args, who=who), units, counter, None, None, plan, options, sums,
-                            turns)
-        except FloatingPointError as err:
-            raised[who] = str(err)
-
-    def new_turns_and_counter():
-        return (cpu.RowTurns(np.zeros(shape[:2], np.int64), threading.Condition()),
-                cpu.UnitCounter(np.zeros(2, np.int64), threading.Lock(), len(units)))
-
-    alone = new_sums()
-    if fail_at is None:
-        hold.set()
-        turns, counter = new_turns_and_counter()
-        cpu.run_in_turn(work, units, counter, None, None, plan, options, alone, turns)
-        hold.clear()
-    sums, raised = new_sums(), {}
-    turns, counter = new_turns_and_counter()
-    first = threading.Thread(target=shared_run, args=(sums, turns, counter, "first", raised), daemon=True)
-    first.start()
-    while not ran["first"]:  # the first thread has taken unit 0 and is held there
-        time.sleep(0.01)
-    second = threading.Thread(target=shared_run, args=(sums, turns, counter, "second", raised), daemon=True)
-    second.start()
-
-    def join():
-        first.join(10)
-        second.join(10)
-        return not first.is_alive() and not second.is_alive()
-
-    return hold.set, join, ran, raised, counter, sums, alone
-
-
-@pytest.mark.parametrize("kept_planes, runs_meanwhile", [(4, [1, 2, 3, 4]), (2, [1, 2]), (1, [1])])
-def test_a_worker_keeps_slabs_whose_turn_has_not_come_and_runs_its_next_units(monkeypatch, kept_planes,
-                                                                               runs_meanwhile):
-    """Units 1 and 2 wait for unit 0 in x-planes 1 and 2: the second worker keeps their slabs and goes on with
-    units 3 and 4, as long as its slabs and its next unit's cover ``KEPT_PLANES`` x-planes' rows at most (4:
-    three slabs, 2: one, 1: none); the sums are the same bits as one worker's."""
-    release, join, ran, raised, _, sums, alone = _unit_runs_in_threads(monkeypatch, kept_planes)
-    for _ in range(250):
-        if ran["second"] == runs_meanwhile:
-            break
-        time.sleep(0.02)
-    time.sleep(0.2)
-    assert ran == {"first": [0], "second": runs_meanwhile}  # and no more while unit 0 is held
-    release()
-    assert join() and not raised
-    assert sorted(ran["first"] + ran["second"]) == [0, 1, 2, 3, 4]
-    for total, one in zip((sums.image, sums.weight, sums.sigma, sums.rank), (alone.image, alone.weight,
-                                                                             alone.sigma, alone.rank)):
-        assert np.array_equal(total, one)
-
-
-def test_a_unit_that_fails_passes_the_turns_of_the_slabs_its_worker_keeps(monkeypatch):
-    """The second worker keeps units 1 and 2 (waiting for unit 0), then unit 3 fails: it passes their turns in
-    unit order once unit 0 has added, hands out no more units, and neither worker waits for ever."""
-    release, join, ran, raised, counter, _, _ = _unit_runs_in_threads(monkeypatch, 4, fail_at=3)
-    for _ in range(250):
-        if counter.counts[0] == 5:  # handed out: units 0 to 3, then the handing out stopped
-            break
-        time.sleep(0.02)
-    release()
-    assert join()
-    assert raised == {"second": "unit 3 failed"} and ran == {"first": [0], "second": [1, 2, 3]}  # unit 4 never ran
-
-
-@pytest.mark.parametrize("aggregation, demean, stride", [("center", "none", 1), ("weighted", "volume", 1),
-                                                         ("uniform", "voxel", 2)])
-def test_units_cut_within_x_planes_give_the_same_bits_for_any_number_of_processes(monkeypatch, aggregation,
-                                                                                   demean, stride):
-    """Units of a few rows of windows each (``UNIT_WINDOWS`` 5 here), several per x-plane: 1, 2 and 3
-    processes give the same bits, and the noise map alone the same maps. Against one unit per x-plane (the
-    same additions grouped otherwise) the series differs by float32's rounding (4e-8 relative rms here)."""
-    from mppca_nipype import estimate_noise
-    from mppca_nipype.engine import cpu
-
-    data, mask, extent = case_data("mask", seed=7)
-    data = np.concatenate([data, data[::-1]], axis=0)
-    mask = np.concatenate([mask, mask], axis=0)
-    data[1, 2, 3, 4] = np.nan
-    options = dict(extent=extent, stride=stride, aggregation=aggregation, demean=demean, estimator="exp2")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", MPPCAWarning)
-        planes = denoise(data, mask, device="cpu", nprocs=1, **options)
-        monkeypatch.setattr(cpu, "UNIT_WINDOWS", 5)  # the forked workers inherit it
-        runs = {nprocs: denoise(data, mask, device="cpu", nprocs=nprocs, **options) for nprocs in (1, 2, 3)}
-        noise = {nprocs: estimate_noise(data, mask, nprocs=nprocs, **options) for nprocs in (1, 3)}
-    assert runs[1].info["n_units"] > planes.info["n_units"]
-    assert [run.info["nprocs"] for run in runs.values()] == [1, 2, 3]
-    for nprocs in (2, 3):
-        assert np.array_equal(runs[1].denoised, runs[nprocs].denoised, equal_nan=True)
-        assert np.array_equal(runs[1].sigma, runs[nprocs].sigma)
-        assert np.array_equal(runs[1].rank, runs[nprocs].rank)
-    for nprocs in (1, 3):
-        assert np.array_equal(noise[nprocs].sigma, runs[1].sigma)
-        assert np.array_equal(noise[nprocs].rank, runs[1].rank)
-    finite = np.isfinite(planes.denoised)
-    assert np.array_equal(np.isfinite(runs[1].denoised), finite)
-    assert rms_relative(runs[1].denoised[finite], planes.denoised[finite]) <= 1e-7
-    np.testing.assert_allclose(runs[1].sigma, planes.sigma, rtol=1e-6, atol=0)
-    np.testing.assert_allclose(runs[1].rank, planes.rank, rtol=1e-6, atol=0)
-
-
-@pytest.mark.parametrize("unit_windows", [None, 4], ids=["a unit per x-plane", "three units per x-plane"])
-def test_a_unit_that_fails_fails_the_run_without_leaving_the_others_waiting(monkeypatch, unit_windows):
+def test_a_unit_that_fails_fails_the_run_without_leaving_the_others_waiting(monkeypatch):
     from mppca_nipype.engine import cpu
 
     fit_windows = cpu.fit_windows
 
     def failing(volume, finite, plan, options, windows, clock=cpu.NO_CLOCK, dtype=np.float64):
-        if plan.window_corner[windows.start, 0] == 1:  # the units of x-plane 1, in whichever worker
+        if plan.window_corner[windows.start, 0] == 1:  # the second unit (x-plane 1), in whichever worker
             raise FloatingPointError("unit 1 failed")
         return fit_windows(volume, finite, plan, options, windows, clock, dtype)
 
     monkeypatch.setattr(cpu, "fit_windows", failing)  # the forked workers inherit it
-    if unit_windows:
-        monkeypatch.setattr(cpu, "UNIT_WINDOWS", unit_windows)
     data, _, _ = case_data("time-side", seed=10)
     outcome = []
 

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from bids_helpers import make_dataset, read_json
@@ -97,25 +96,11 @@ def test_nipype_slurm_plugin_submits_each_run_with_its_resources(cluster, dwi_da
 def test_node_resources_grow_with_the_input_and_respect_the_cpu_cap():
     small = node_resources((10, 10, 8, 16), use_gpu=False, max_procs=16, extent=3, stride=2)
     hcp = node_resources((145, 174, 145, 288), use_gpu=False, max_procs=16, extent=5, stride=2)
-    assert small[0] == 5, "no more workers than units: 5 x-planes of patch corners of 20 windows, one unit each"
+    assert small[0] == 5, "no more workers than x-planes of patch corners (ceil(7 / 2) + 1)"
     assert hcp[0] == 16 and node_resources((145, 174, 145, 288), use_gpu=False, max_procs=4)[0] == 4
     series_gb = 145 * 174 * 145 * 288 * 4 / 2**30
     assert 5 * series_gb < hcp[1] < 5 * series_gb + 4.5, "five float32 copies, the base and 16 workers"
     assert node_resources((145, 174, 145, 288), use_gpu=True, max_procs=16)[0] == 1, "one GPU slot"
-
-
-@pytest.mark.parametrize("shape, extent, stride", [((10, 64, 64, 16), 3, 2), ((96, 96, 60, 100), "wide", 3),
-                                                   ((20, 30, 25, 40), 5, 1), ((40, 17, 9, 30), "auto", 2)])
-def test_a_cpu_node_asks_for_as_many_workers_as_the_engine_has_units(shape, extent, stride):
-    """Several units per x-plane of patch corners where a plane holds many windows (80 units on 5 x-planes
-    for the first shape), one where it holds few (the last)."""
-    from mppca_nipype.engine.cpu import work_units
-    from mppca_nipype.engine.patches import plan_patches, resolve_extent
-
-    everything = np.ones(shape[:3], bool)
-    plan = plan_patches(shape[:3], resolve_extent(extent, shape[:3], shape[3]), stride, everything, everything)
-    n_procs, _ = node_resources(shape, use_gpu=False, max_procs=10**6, extent=extent, stride=stride)
-    assert n_procs == len(work_units(plan))
 
 
 def test_sbatch_arguments_follow_each_nodes_needs():

@@ -1,15 +1,12 @@
 """The CPU backend: NumPy/OpenBLAS and LAPACK, batched over patches, spread over worker processes.
 
-Work is cut into *units*: consecutive rows of active windows whose corner lies on one x position, about
-``UNIT_WINDOWS`` windows each, handed to the workers in unit order (``work_units``, ``UnitCounter``). A unit
-runs its windows in stacked batches (batched gather, batched Gram, every eigenvalue and the kept
-eigenvectors only (``lapack``), projection onto those) into a private slab of the ``extent[0]`` x-planes and
-the y rows it touches, which is then added into the sums, which all processes share, one (x, y) row of z
-voxels at a time in that row's turn (``RowTurns``): every row takes its units' slabs in unit order, so the
-result does not depend on how many processes ran the units (it is bit-identical for any ``nprocs``) and
-nothing is left for the parent to add. A worker whose slab's turn has not come keeps it and runs its next
-unit, adding it when its turn comes (``KeptSlabs``): it waits only when its slabs would outgrow one whole
-x-plane slab's memory (``KEPT_PLANES``), or at its end.
+Work is cut into *units*: all active windows whose corner lies on one x position, taken by the workers in
+unit order. A unit runs its windows in stacked batches (batched gather, batched Gram, every eigenvalue and
+the kept eigenvectors only (``lapack``), projection onto those) into a private slab of the ``extent[0]``
+x-planes it touches, then adds the slab into the sums, which all processes share, plane by plane in each
+plane's turn (``PlaneTurns``): every plane takes its units' slabs in unit order, so the result does not
+depend on how many processes ran the units (it is bit-identical for any ``nprocs``) and nothing is left for
+the parent to add.
 
 Workers share the input volume through ``multiprocessing.shared_memory`` (one copy, whatever their
 number, in the (V, T) rows they gather patches from: a volume-major series is reordered into it in blocks,
@@ -27,7 +24,8 @@ float32's rounding, and everything runs in float64.
 from __future__ import annotations
 
 import ast
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 import mmap
 import multiprocessing
@@ -49,7 +47,6 @@ from .errors import MPPCAWarning
 from .estimators import (aggregation_weights, component_weights, given_noise_threshold,
                          marchenko_pastur_edge, marchenko_pastur_threshold)
 from .layout import is_volume_major, rows_of_planes
-from .patches import flat_offsets
 
 #: Memory one batch may use for its patch matrices (float64), per process. Small enough that NumPy's
 #: temporaries come back from the allocator's heap instead of fresh pages from the kernel (48 MB batches took
@@ -89,69 +86,31 @@ class _Stopped:
 NO_CLOCK = _Stopped()
 
 
-#: Windows per unit, about: each corner x-plane's windows are cut, between corner-y rows, into units of about
-#: this many, so that there are enough units to keep every worker busy to the end (the defaults' 18,259
-#: windows make 310 units, 19 per worker at 16), while the y halo each unit's slab carries (``extent[1] -
-#: stride`` rows) keeps the slabs' zeroing and adding small: on the defaults the slabs cover 1.4 times the
-#: rows that one unit per x-plane would.
-UNIT_WINDOWS = 64
-
-#: A worker's slabs, the finished ones it keeps while their turns have not come (``KeptSlabs``) and its next
-#: unit's, cover at most this many times Y rows in all: at 1, the memory of one slab of whole x-planes
-#: (``extent[0]`` by Y rows), which the memory model counts per worker (``workflows.node_resources``). On the
-#: defaults a worker keeps up to 80 rows (5 or 6 slabs of 13 or 16) before it waits.
-KEPT_PLANES = 1
-
-
 @dataclass
 class Unit:
-    """Windows ``start:stop`` of the plan: consecutive corner-y rows of windows whose corner lies on x-plane
-    ``x0``. Its slab covers x-planes ``x0 .. x0 + extent[0] - 1`` and y rows ``y0 .. y0 + rows - 1`` (every
-    row its windows touch). ``turns`` (extent[0], rows): how many units before this one add into each (x, y)
-    row of the slab (its place in that row's order of additions)."""
+    """Windows ``start:stop`` of the plan; they all have their corner on x-plane ``x0``. ``turns[i]``: how many
+    units before this one add into x-plane ``x0 + i`` (its place in that plane's order of additions)."""
 
     start: int
     stop: int
     x0: int
-    y0: int
-    rows: int
     turns: np.ndarray
-
-    @property
-    def region(self):
-        """The (x, y) rows of the sums the unit's slab covers, as slices."""
-        return slice(self.x0, self.x0 + self.turns.shape[0]), slice(self.y0, self.y0 + self.rows)
 
 
 def work_units(plan) -> list[Unit]:
-    """Split the plan's windows (sorted by corner x, then y, then z) into units, in order: each corner x-plane's
-    windows cut between corner-y rows into ``ceil(windows / UNIT_WINDOWS)`` units of about as many windows
-    each. The units depend on the plan alone, never on the number of processes, so every (x, y) row of the
-    sums takes the same additions in the same order (unit order) however many run them."""
-    corner = plan.window_corner
-    ex, ey, _ = plan.extent
-    key = corner[:, 0] * plan.spatial_shape[1] + corner[:, 1]  # one value per corner (x, y) row of windows
-    row_start = np.flatnonzero(np.diff(key, prepend=-1))
-    row_stop = np.append(row_start[1:], len(key))
-    plane_of_row = corner[row_start, 0]
-    plane_start = np.flatnonzero(np.diff(plane_of_row, prepend=-1))
-    plane_stop = np.append(plane_start[1:], len(row_start))
-    added = np.zeros(plan.spatial_shape[:2], dtype=np.int64)  # units so far that add into each (x, y) row
+    """Split the plan's windows (sorted by corner x) into one unit per corner x-plane, in order."""
+    cx = plan.window_corner[:, 0]
+    bounds = np.flatnonzero(np.diff(cx)) + 1
+    starts = np.concatenate([[0], bounds]).astype(int)
+    stops = np.concatenate([bounds, [len(cx)]]).astype(int)
+    added = np.zeros(plan.spatial_shape[0], dtype=np.int64)  # units so far that add into each x-plane
     units = []
-    for first, last in zip(plane_start, plane_stop):  # the plane's rows of windows: first .. last - 1
-        counts = np.cumsum(row_stop[first:last] - row_start[first:last])
-        parts = -(-int(counts[-1]) // UNIT_WINDOWS)
-        # cut after the row whose running count of windows is nearest to each k / parts of the plane's
-        targets = counts[-1] * np.arange(1, parts) / parts
-        cuts = np.abs(counts[:, None] - targets[None, :]).argmin(axis=0) + 1
-        bounds = np.unique(np.concatenate([[0], cuts, [last - first]]))
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            start, stop = int(row_start[first + a]), int(row_stop[first + b - 1])
-            x0, y0 = int(corner[start, 0]), int(corner[start, 1])
-            rows = int(corner[row_start[first + b - 1], 1]) + ey - y0
-            covered = added[x0:x0 + ex, y0:y0 + rows]
-            units.append(Unit(start, stop, x0, y0, rows, covered.copy()))
-            covered += 1
+    for a, b in zip(starts, stops):
+        if b > a:
+            x0 = int(cx[a])
+            planes = slice(x0, x0 + plan.extent[0])
+            units.append(Unit(int(a), int(b), x0, added[planes].copy()))
+            added[planes] += 1
     return units
 
 
@@ -378,144 +337,40 @@ def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
     return np.where(counted, values, 0.0).sum(axis=1) / np.maximum(counted.sum(axis=1), 1)
 
 
-class RowTurns:
-    """The order in which units add into each (x, y) row of the sums: unit order, whichever process runs them.
+class PlaneTurns:
+    """The order in which units add into each x-plane of the sums: unit order, whichever process runs them.
 
-    ``added`` (X, Y) int64, shared by the processes: how many units have added into each row. A unit adds
-    into row (x, y) once ``added[x, y]`` equals its turn there, so every row's float32 sums are the same
-    additions in the same order for any number of processes, with no reduction left to the parent.
-    ``condition`` (a multiprocessing or threading Condition) guards ``added`` and orders the writes to the
-    sums before it."""
+    ``added`` (X,) int64, shared by the processes: how many units have added into each plane. A unit adds into
+    plane ``x0 + i`` once ``added[x0 + i] == turns[i]``, so every plane's float32 sum is the same additions
+    in the same order for any number of processes, with no reduction left to the parent. Units start in
+    unit order, so the units a plane waits for are running or done: no deadlock. ``condition`` (a
+    multiprocessing or threading Condition) guards ``added`` and orders the writes to the sums before it.
+    """
 
     def __init__(self, added, condition):
         self.added, self.condition = added, condition
 
-    def ready(self, unit: Unit, pending: np.ndarray, wait=False) -> np.ndarray:
-        """Those of the unit's ``pending`` rows ((extent[0], rows) bool) whose turn it is; with ``wait``, waits
-        until there is one."""
+    def ready(self, unit: Unit, pending: list[int]) -> list[int]:
+        """Those of the unit's planes ``pending`` (offsets from ``x0``) whose turn it is; waits for one."""
         with self.condition:
             while True:
-                ready = pending & (self.added[unit.region] == unit.turns)
-                if not wait or ready.any():
+                ready = [i for i in pending if self.added[unit.x0 + i] == unit.turns[i]]
+                if ready:
                     return ready
                 self.condition.wait()
 
-    def done(self, unit: Unit, rows: np.ndarray):
-        """The unit has added into its ``rows`` ((extent[0], rows) bool): their next unit's turn."""
+    def done(self, unit: Unit, planes: list[int]):
         with self.condition:
-            region = self.added[unit.region]
-            region[rows] += 1
+            self.added[[unit.x0 + i for i in planes]] += 1
             self.condition.notify_all()
 
 
-class UnitCounter:
-    """Hands the units out in unit order to whichever process asks (``take``) and counts those run
-    (``finish``, read by the caller for its progress). ``counts`` (2,) int64, shared: the next unit's number
-    and the number run; ``lock`` guards it. ``stop`` hands nothing more out (after an error)."""
+def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: PlaneTurns, clock=NO_CLOCK):
+    """Denoise one unit and add its contribution into ``sums`` (flat (V, T) and (V,) arrays).
 
-    def __init__(self, counts, lock, n_units):
-        self.counts, self.lock, self.n_units = counts, lock, n_units
-
-    def take(self) -> int | None:
-        with self.lock:
-            index = int(self.counts[0])
-            if index >= self.n_units:
-                return None
-            self.counts[0] = index + 1
-            return index
-
-    def finish(self) -> int:
-        with self.lock:
-            self.counts[1] += 1
-            return int(self.counts[1])
-
-    def stop(self):
-        with self.lock:
-            self.counts[0] = self.n_units
-
-    @property
-    def finished(self) -> int:
-        return int(self.counts[1])
-
-
-class KeptSlabs:
-    """A process's finished slabs (``run_unit``'s: image, weight, sigma, rank[, lambda_plus] over its unit's
-    rows, image None for the noise map alone) that have rows left to add into the sums, in unit order, each
-    with those rows ((extent[0], rows) bool).
-
-    A slab whose turn has not come is kept, and the process runs its next unit instead of waiting; ``settle``
-    adds every row whose turn has come, and waits only while the kept slabs outgrow their room. No deadlock:
-    units are handed out in unit order (``UnitCounter``), so every unit before one that is kept has been
-    taken by a running process, and of all the units with rows left to add, the earliest has its turn in
-    every row (the units before it in those rows have added). Its process adds it at its next ``settle``, or
-    at once if waiting, since a waiting process waits for its earliest slab, which is that one. So the
-    earliest always gets added, then the next, and so on."""
-
-    def __init__(self, plan, sums, turns):
-        self.plan, self.sums, self.turns = plan, sums, turns
-        self.kept = []  # [unit, slab, rows left to add]
-
-    def keep(self, unit: Unit, slab):
-        self.kept.append([unit, slab, np.ones(unit.turns.shape, dtype=bool)])
-
-    @property
-    def rows(self) -> int:
-        """The y rows the kept slabs cover, in all."""
-        return sum(entry[0].rows for entry in self.kept)
-
-    def settle(self, clock, room: int):
-        """Add the rows whose turn has come of every kept slab, in unit order (the newest kept one's as
-        ``deposit``, older ones' as ``deposit, deferred``); then, while the kept slabs cover more than
-        ``room`` y rows, wait for the earliest one's turns and add it."""
-        newest = self.kept[-1][0] if self.kept else None
-        for entry in list(self.kept):
-            self._add_ready(entry, clock, wait=False, phase="deposit" if entry[0] is newest else
-                            "deposit, deferred")
-        while self.rows > room:
-            self._add_ready(self.kept[0], clock, wait=True, phase="deposit, deferred")
-
-    def release(self, failed: Unit | None):
-        """After an error: pass every kept slab's remaining turns, then ``failed``'s (the unit that raised,
-        after every kept one), adding nothing, so that the units after them do not wait for ever."""
-        for entry in self.kept:
-            entry[1] = None
-        if failed is not None:
-            self.keep(failed, None)
-        self.settle(NO_CLOCK, 0)
-
-    def _add_ready(self, entry, clock, wait, phase):
-        unit, slab, pending = entry
-        ready = self.turns.ready(unit, pending, wait)
-        clock.lap("turn wait")
-        if ready.any():
-            if slab is not None:
-                add_rows(unit, self.plan, self.sums, slab, ready)
-            self.turns.done(unit, ready)
-            pending &= ~ready
-            clock.lap(phase)
-        if not pending.any():
-            self.kept.remove(entry)
-
-
-def add_rows(unit, plan, sums, slab, rows):
-    """Add a unit's ``slab`` sums (image, weight, sigma, rank[, lambda_plus] over its rows; image None for
-    the noise map alone) at ``rows`` ((extent[0], rows) bool) into ``sums``: one slice per run of rows."""
-    _, ny, nz = plan.spatial_shape
-    for i in np.flatnonzero(rows.any(axis=1)):
-        edges = np.flatnonzero(np.diff(rows[i].astype(np.int8), prepend=0, append=0))
-        for a, b in zip(edges[::2], edges[1::2]):  # rows a .. b - 1 of x-plane x0 + i
-            first = ((unit.x0 + i) * ny + unit.y0) * nz
-            into = slice(first + a * nz, first + b * nz)
-            mine = slice((i * unit.rows + a) * nz, (i * unit.rows + b) * nz)
-            for total, part in zip((sums.image, sums.weight, sums.sigma, sums.rank, sums.lambda_plus), slab):
-                if part is not None:
-                    total[into] += part[mine]
-
-
-def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, clock=NO_CLOCK):
-    """Denoise one unit: its slab (``unit_slab``), to be added into ``sums`` (flat (V, T) and (V,) arrays) in
-    its rows' turns (``KeptSlabs``); or None for ``center``, which writes into ``sums`` itself: each voxel
-    takes the row of its own window, which lies in one unit, so no order is needed."""
+    ``center``: each voxel takes the row of its own window, which lies in one unit: written, no order needed.
+    Else the unit's windows add into a slab of its ``extent[0]`` x-planes, in plan order, and the slab is
+    added into the sums plane by plane in the planes' turns (``PlaneTurns``)."""
     step = batch_size(plan.patch_size, volume.shape[1])
     dtype = first_pass_dtype(options)
     clock.lap("setup")
@@ -535,13 +390,40 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, clock=N
             if sums.lambda_plus is not None:
                 sums.lambda_plus[voxel] = fit.lambda_plus[window]
             clock.lap("accumulation")
-        return None
+        return
 
+    with slab_turns(unit, plan, turns) as pending:
+        _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pending, dtype)
+
+
+@contextmanager
+def slab_turns(unit, plan, turns):
+    """Within: ``pending``, the unit's x-planes (offsets from ``x0``) it has still to add into (``deposit``
+    removes them). On the way out, after an error, the unit's remaining turns are passed in order (adding
+    nothing): the units after it must not wait for ever, and the run fails with the error."""
+    pending = list(range(plan.extent[0]))
+    try:
+        yield pending
+    finally:
+        while pending:
+            ready = turns.ready(unit, pending)
+            turns.done(unit, ready)
+            pending[:] = [i for i in pending if i not in ready]
+
+
+def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pending, dtype):
+    """``run_unit``'s weighted and uniform aggregation; removes from ``pending`` each plane it has added into."""
     n_volumes = volume.shape[1]
-    slab = unit_slab(unit, plan, n_volumes, image=True, lambda_plus=sums.lambda_plus is not None)
-    image, *maps = slab
+    plane = plan.spatial_shape[1] * plan.spatial_shape[2]
+    slab_start = unit.x0 * plane
+    slab_voxels = plan.extent[0] * plane
+    image = np.zeros((slab_voxels, n_volumes), dtype=np.float32)
     ex, ey, ez = plan.extent
-    block_of_rows = image.reshape(ex, unit.rows, plan.spatial_shape[2], n_volumes)
+    slab = image.reshape(ex, *plan.spatial_shape[1:], n_volumes)
+    weight = np.zeros(slab_voxels)
+    sigma = np.zeros(slab_voxels)
+    rank = np.zeros(slab_voxels)
+    maps = (weight, sigma, rank) + ((np.zeros(slab_voxels),) if sums.lambda_plus is not None else ())
     for start in range(unit.start, unit.stop, step):
         stop = min(start + step, unit.stop)
         fit = fit_windows(volume, finite, plan, options, slice(start, stop), clock, dtype)
@@ -552,27 +434,11 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, clock=N
         # each window adds its block into the slab: one slice per window, windows in plan order
         block = (ex, ey, ez, n_volumes)
         for b, (_, y0, z0) in enumerate(plan.window_corner[start:stop]):
-            block_of_rows[:, y0 - unit.y0:y0 - unit.y0 + ey, z0:z0 + ez] += restored[b].reshape(block)
-        add_window_maps(maps, fit, voxel_weight, slab_voxels(plan, unit, slice(start, stop)))
+            slab[:, y0:y0 + ey, z0:z0 + ez] += restored[b].reshape(block)
+        add_window_maps(maps, fit, voxel_weight, slab_start)
         clock.lap("accumulation")
-    return slab
 
-
-def unit_slab(unit, plan, n_volumes, image, lambda_plus):
-    """Zeros for a unit's sums over its rows (``extent[0]`` x-planes by ``unit.rows`` y rows, every z):
-    image ((voxels, T) float32, or None), weight, sigma, rank and, with ``lambda_plus``, lambda_+."""
-    voxels = plan.extent[0] * unit.rows * plan.spatial_shape[2]
-    return ((np.zeros((voxels, n_volumes), dtype=np.float32) if image else None, np.zeros(voxels),
-             np.zeros(voxels), np.zeros(voxels)) + ((np.zeros(voxels),) if lambda_plus else ()))
-
-
-def slab_voxels(plan, unit, windows) -> np.ndarray:
-    """(B, n): the voxels of the plan's windows ``windows`` (a slice of the unit's) as rows of the unit's
-    slab."""
-    cx, cy, cz = plan.window_corner[windows].T
-    nz = plan.spatial_shape[2]
-    base = ((cx - unit.x0) * unit.rows + (cy - unit.y0)) * nz + cz
-    return base[:, None] + flat_offsets(plan.extent, (0, unit.rows, nz))[None, :]
+    deposit(unit, plan, sums, (image,) + maps, turns, clock, pending)
 
 
 def window_voxel_weights(windows, options, plan, start, stop):
@@ -582,17 +448,36 @@ def window_voxel_weights(windows, options, plan, start, stop):
     return w[:, None] * windows.took_part
 
 
-def add_window_maps(maps, windows, voxel_weight, voxels):
+def add_window_maps(maps, windows, voxel_weight, slab_start):
     """Add the windows' weighted sums of weight, noise (sigma) and rank, and of lambda_+ when ``maps`` has a
-    fourth, into a slab's ``maps`` (flat arrays over the slab's voxels; ``voxels`` (B, n) the windows'
-    voxels there, ``slab_voxels``)."""
+    fourth, into a slab's ``maps`` (flat arrays over the slab's voxels, from row ``slab_start``)."""
     weight, sigma, rank, *lambda_plus = maps
-    flat = voxels.ravel()
+    flat = (windows.voxels - slab_start).ravel()
     weight += np.bincount(flat, voxel_weight.ravel(), len(weight))
     sigma += np.bincount(flat, (voxel_weight * np.sqrt(windows.sigma2)[:, None]).ravel(), len(sigma))
     rank += np.bincount(flat, (voxel_weight * windows.rank[:, None]).ravel(), len(rank))
     for edge in lambda_plus:
         edge += np.bincount(flat, (voxel_weight * windows.lambda_plus[:, None]).ravel(), len(edge))
+
+
+def deposit(unit, plan, sums, slab, turns, clock, pending):
+    """Add a unit's ``slab`` sums ((image, weight, sigma, rank[, lambda_plus]) over its ``extent[0]`` x-planes;
+    image None for the noise map alone) into ``sums``, plane by plane in the planes' turns; removes each plane
+    from ``pending`` once added."""
+    plane = plan.spatial_shape[1] * plan.spatial_shape[2]
+    slab_start = unit.x0 * plane
+    while pending:
+        ready = turns.ready(unit, pending)
+        clock.lap("turn wait")
+        for i in ready:
+            into = slice(slab_start + i * plane, slab_start + (i + 1) * plane)
+            mine = slice(i * plane, (i + 1) * plane)
+            for total, part in zip((sums.image, sums.weight, sums.sigma, sums.rank, sums.lambda_plus), slab):
+                if part is not None:
+                    total[into] += part[mine]
+        turns.done(unit, ready)
+        pending[:] = [i for i in pending if i not in ready]
+        clock.lap("deposit")
 
 
 # -- worker processes ------------------------------------------------------------------------------------
@@ -613,50 +498,15 @@ def process_threads() -> dict:
                 threadpools=pools)
 
 
-def run_in_turn(work, units, counter, volume, finite, plan, options, sums, turns, profile=None,
-                progress=None) -> list[dict]:
-    """Run the units ``counter`` hands out (in unit order) until none is left, in this process.
-
-    ``work(volume, finite, plan, options, unit, sums, clock)`` gives each unit's slab, added into ``sums`` in
-    its rows' turns (``KeptSlabs``): one whose turn has not come is kept while the next unit runs, as long as
-    the kept slabs and the largest unit's cover ``KEPT_PLANES`` times Y rows at most, and the last unit waits
-    until every kept one is added. ``center`` writes into the sums in ``work`` and takes no turns. An error
-    stops the handing out and passes the turns this process holds (``KeptSlabs.release``) before it
-    propagates. ``profile`` (what every report carries, or None) asks for a
-    report per unit: its index, process, start and end (``time.perf_counter``, one clock for every process
-    on a machine), its CPU seconds (less than its span when the process waited or others took its CPU) and
-    seconds per phase (``PhaseClock``), the kept slabs added after it included. ``progress(done, total)``
-    after each unit."""
-    ordered = options.aggregation != "center"
-    kept = KeptSlabs(plan, sums, turns)
-    room = KEPT_PLANES * plan.spatial_shape[1] - max((unit.rows for unit in units), default=0)
-    reports = []
-    index = counter.take()
-    while index is not None:
-        unit = units[index]
-        started, cpu = time.perf_counter(), time.process_time()
-        clock = PhaseClock() if profile is not None else NO_CLOCK
-        try:
-            slab = work(volume, finite, plan, options, unit, sums, clock)
-            if ordered:
-                kept.keep(unit, slab)
-            unit = None  # its turns are the kept slab's now
-            kept.settle(clock, room)
-            following = counter.take()
-            if following is None:
-                kept.settle(clock, 0)
-        except BaseException:
-            counter.stop()
-            kept.release(unit if ordered else None)
-            raise
-        done = counter.finish()
-        if profile is not None:
-            reports.append(dict(profile, unit=index, pid=os.getpid(), start=started, stop=time.perf_counter(),
-                                cpu=time.process_time() - cpu, seconds=clock.seconds))
-        if progress:
-            progress(done, len(units))
-        index = following
-    return reports
+def timed_unit(run, unit_index, *args):
+    """``run(*args, clock)`` with a ``PhaseClock``; returns its result and the unit's report: index, process,
+    start and end (``time.perf_counter``, the same clock in every process on one machine), the process's CPU
+    seconds in it (less than its span when the process waited or others took its CPU) and seconds per phase."""
+    clock = PhaseClock()
+    started, cpu = clock.last, time.process_time()
+    result = run(*args, clock)
+    return result, dict(unit=unit_index, pid=os.getpid(), start=started, stop=time.perf_counter(),
+                        cpu=time.process_time() - cpu, seconds=clock.seconds)
 
 
 def _one_thread():
@@ -664,31 +514,34 @@ def _one_thread():
     return threadpool_limits(limits=1).restore_original_limits
 
 
-def _attach(work, units, counter, volume_name, volume_shape, finite_name, plan, options, outputs, turns, profile):
-    """Worker initializer: map the shared input, the shared sums, the turns and the unit counter; limit BLAS
-    to one thread. Ctrl-C is the parent's to handle: workers ignore SIGINT, so an interrupt prints one
-    message, not a traceback per worker."""
+def _attach(work, volume_name, volume_shape, finite_name, plan, options, outputs, turns, profile):
+    """Worker initializer: map the shared input and the shared sums, limit BLAS to one thread. Ctrl-C is the
+    parent's to handle: workers ignore SIGINT, so an interrupt prints one message, not a traceback per worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     volume_shm = shared_memory.SharedMemory(name=volume_name)
     finite_shm = shared_memory.SharedMemory(name=finite_name)
     _WORKER.update(
         volume=np.ndarray(volume_shape, dtype=np.float32, buffer=volume_shm.buf),
         finite=np.ndarray(volume_shape[:1], dtype=bool, buffer=finite_shm.buf),
-        plan=plan, options=options, handles=(volume_shm, finite_shm), profile=None, work=work, units=units,
-        counter=UnitCounter(_shared_view(*counter[0]), counter[1], len(units)),
+        plan=plan, options=options, handles=(volume_shm, finite_shm), profile=profile, work=work,
         sums=_patch_sums([None if output is None else _shared_view(*output) for output in outputs]),
-        turns=RowTurns(_shared_view(*turns[0]), turns[1]),
+        turns=PlaneTurns(_shared_view(*turns[0]), turns[1]),
     )
     _one_thread()
     if profile:
-        _WORKER.update(profile=dict(ready=time.perf_counter(), process=process_threads()))
+        _WORKER.update(ready=time.perf_counter(), process=process_threads())
 
 
-def _run_in_worker(_):
-    """A worker's share of the run (``run_in_turn``): its units' profile reports, or [] when not profiling."""
+def _run_unit_in_worker(numbered):
+    """Run one unit in a worker; returns its profile report, or None when not profiling."""
+    index, unit = numbered
     w = _WORKER
-    return run_in_turn(w["work"], w["units"], w["counter"], w["volume"], w["finite"], w["plan"], w["options"],
-                       w["sums"], w["turns"], w["profile"])
+    args = (w["volume"], w["finite"], w["plan"], w["options"], unit, w["sums"], w["turns"])
+    if not w["profile"]:
+        w["work"](*args)
+        return None
+    _, report = timed_unit(w["work"], index, *args)
+    return dict(report, ready=w["ready"], process=w["process"])
 
 
 def _shared_zeros(shape, dtype, context):
@@ -795,11 +648,10 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
 
 
 def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, image=True) -> PatchSums:
-    """Run ``work(volume, finite_flat, plan, options, unit, sums, clock)`` (a module-level function:
+    """Run ``work(volume, finite_flat, plan, options, unit, sums, turns, clock)`` (a module-level function:
     ``run_unit``, or the noise map's ``noise.noise_unit``) for every unit of the plan, in this process or in
     worker processes that share the input and the sums, and return the sums (``image`` False: no image, None).
-    Each process takes the units in unit order and adds their slabs into the sums itself, every (x, y) row
-    in unit order (``run_in_turn``)."""
+    Each unit adds into the sums itself, plane by plane in unit order (``PlaneTurns``)."""
     started = time.perf_counter()
     profile = PROFILE
     clock = PhaseClock() if profile else NO_CLOCK
@@ -820,23 +672,26 @@ def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, 
     if nprocs == 1:
         volume = _voxel_major(data, np.empty)
         sums = _patch_sums([None if shape is None else np.zeros(*shape) for shape in output_shapes])
-        turns = RowTurns(np.zeros(plan.spatial_shape[:2], dtype=np.int64), threading.Condition())
-        counter = UnitCounter(np.zeros(2, dtype=np.int64), threading.Lock(), len(units))
+        turns = PlaneTurns(np.zeros(plan.spatial_shape[0], dtype=np.int64), threading.Condition())
         undo = _one_thread()
-        mine = dict(ready=started, process=process_threads()) if profile else None
+        process = process_threads() if profile else None
         clock.lap("outputs")
         try:
-            reports = run_in_turn(work, units, counter, volume, finite_flat, plan, options, sums, turns, mine,
-                                  progress)
+            for done, unit in enumerate(units, 1):
+                args = (volume, finite_flat, plan, options, unit, sums, turns)
+                if profile:
+                    _, report = timed_unit(work, done - 1, *args)
+                    reports.append(dict(report, ready=started, process=process))
+                    clock.last = report["stop"]
+                else:
+                    work(*args)
+                if progress:
+                    progress(done, len(units))
         finally:
             undo()
-        if reports:
-            clock.last = reports[-1]["stop"]
     else:
         outputs = [None if shape is None else _shared_zeros(*shape, context) for shape in output_shapes]
-        added = _shared_zeros(plan.spatial_shape[:2], np.int64, context)
-        counts = _shared_zeros((2,), np.int64, context)
-        counter = UnitCounter(_shared_view(*counts), context.Lock(), len(units))
+        added = _shared_zeros((plan.spatial_shape[0],), np.int64, context)
         sums = _patch_sums([None if output is None else _shared_view(*output) for output in outputs])
         clock.lap("outputs")
         volume_shm, finite_shm = None, _shared_copy(finite_flat)
@@ -845,18 +700,16 @@ def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, 
             _voxel_major(data, lambda shape, dtype: np.ndarray(shape, dtype, buffer=volume_shm.buf))
             clock.lap("shared copy")
             with ProcessPoolExecutor(nprocs, mp_context=context, initializer=_attach,
-                                     initargs=(work, units, (counts, counter.lock), volume_shm.name,
-                                               (n_voxels, n_volumes), finite_shm.name, plan, options, outputs,
+                                     initargs=(work, volume_shm.name, (n_voxels, n_volumes),
+                                               finite_shm.name, plan, options, outputs,
                                                (added, context.Condition()), profile)) as pool:
-                try:
-                    shares = [pool.submit(_run_in_worker, n) for n in range(nprocs)]
-                    clock.lap("pool start")
-                    _follow(shares, counter, progress)
-                    for share in shares:
-                        reports.extend(share.result())
-                except BaseException:  # an error or an interrupt: the workers end after their current unit
-                    counter.stop()
-                    raise
+                finished = pool.map(_run_unit_in_worker, enumerate(units))
+                clock.lap("pool start")
+                for done, report in enumerate(finished, 1):
+                    if profile:
+                        reports.append(report)
+                    if progress:
+                        progress(done, len(units))
                 clock.lap("waiting")
         finally:
             for shm in (volume_shm, finite_shm):
@@ -866,24 +719,10 @@ def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, 
             clock.lap("pool stop")
 
     seconds = time.perf_counter() - started
-    sums.info = dict(backend="cpu", device="cpu", nprocs=nprocs, n_units=len(units), seconds_engine=seconds)
+    sums.info = dict(backend="cpu", device="cpu", nprocs=nprocs, seconds_engine=seconds)
     if profile:
         sums.info["profile"] = profile_summary(reports, clock.seconds, started, seconds, len(units))
     return sums
-
-
-def _follow(shares, counter, progress):
-    """Wait for the workers' ``shares`` (futures), reporting ``progress(done, total)`` as their units finish;
-    returns at the first error (``result()`` raises it) or when all are done."""
-    shown = 0
-    while True:
-        done, running = wait(shares, timeout=0.05, return_when=FIRST_EXCEPTION)
-        finished = counter.finished
-        if progress and finished > shown:
-            shown = finished
-            progress(finished, counter.n_units)
-        if not running or any(share.exception() is not None for share in done):
-            return
 
 
 def _patch_sums(arrays) -> PatchSums:

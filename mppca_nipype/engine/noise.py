@@ -12,14 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import PatchSums
-from .cpu import (NO_CLOCK, add_window_maps, batch_size, first_pass_dtype, run_units, settled_spectra, slab_voxels,
-                  unit_slab, window_voxel_weights)
+from .cpu import (NO_CLOCK, add_window_maps, batch_size, deposit, first_pass_dtype, run_units, settled_spectra,
+                  slab_turns, window_voxel_weights)
 
 
-def noise_unit(volume, finite, plan, options, unit, sums, clock=NO_CLOCK):
-    """The noise and rank of one unit's windows (``cpu.run_unit``'s way, with no image): for ``center`` each
-    centre voxel's own window's, written into ``sums``; else the windows' weighted sums over the unit's slab,
-    returned for the caller to add in its rows' turns."""
+def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK):
+    """The noise and rank of one unit's windows, into ``sums`` (``cpu.run_unit``'s way, with no image): for
+    ``center`` each centre voxel's own window's; else the windows' weighted sums over the unit's slab of
+    ``extent[0]`` x-planes, added plane by plane in the planes' turns."""
     step = batch_size(plan.patch_size, volume.shape[1])
     dtype = first_pass_dtype(options)
     if options.aggregation == "center":
@@ -32,15 +32,21 @@ def noise_unit(volume, finite, plan, options, unit, sums, clock=NO_CLOCK):
             sums.weight[voxel] = 1.0
             sums.sigma[voxel] = np.sqrt(spectra.sigma2[window])
             sums.rank[voxel] = spectra.rank[window]
-        return None
+        return
 
-    slab = unit_slab(unit, plan, volume.shape[1], image=False, lambda_plus=False)
-    for start in range(unit.start, unit.stop, step):
-        stop = min(start + step, unit.stop)
-        spectra = settled_spectra(volume, finite, plan, options, slice(start, stop), clock, dtype)
-        voxel_weight = window_voxel_weights(spectra, options, plan, start, stop)
-        add_window_maps(slab[1:], spectra, voxel_weight, slab_voxels(plan, unit, slice(start, stop)))
-    return slab
+    plane = plan.spatial_shape[1] * plan.spatial_shape[2]
+    slab_start = unit.x0 * plane
+    slab_voxels = plan.extent[0] * plane
+    weight = np.zeros(slab_voxels)
+    sigma = np.zeros(slab_voxels)
+    rank = np.zeros(slab_voxels)
+    with slab_turns(unit, plan, turns) as pending:
+        for start in range(unit.start, unit.stop, step):
+            stop = min(start + step, unit.stop)
+            spectra = settled_spectra(volume, finite, plan, options, slice(start, stop), clock, dtype)
+            voxel_weight = window_voxel_weights(spectra, options, plan, start, stop)
+            add_window_maps((weight, sigma, rank), spectra, voxel_weight, slab_start)
+        deposit(unit, plan, sums, (None, weight, sigma, rank), turns, clock, pending)
 
 
 def noise_cpu(data, finite, plan, options, *, nprocs=None, progress=None) -> PatchSums:

@@ -160,9 +160,8 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
 #: CPU: the interpreter with NumPy, SciPy, nibabel and Nipype (MEMORY_BASE), five copies of the
 #: series in float32 (as read, the workers' shared copy, the weighted sums, the result, and one transient
 #: of nibabel's scaling or saving), and per worker process its batch (engine.cpu.BATCH_BYTES, twice) and
-#: its slabs' sums (extent[0] planes of the series at most, engine.cpu.KEPT_PLANES). GPU: the same base
-#: plus the CUDA context (MEMORY_CUDA), and four copies (as read, pinned upload, pinned download, the
-#: result).
+#: its slab's sums (extent[0] planes of the series). GPU: the same base plus the CUDA context
+#: (MEMORY_CUDA), and four copies (as read, pinned upload, pinned download, the result).
 MEMORY_BASE = 0.5
 MEMORY_CUDA = 1.5
 SERIES_COPIES_CPU = 5
@@ -172,27 +171,25 @@ SERIES_COPIES_GPU = 4
 def node_resources(shape, *, use_gpu, max_procs, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"]):
     """``(n_procs, mem_gb)`` a denoising node needs for an input of ``shape`` (X, Y, Z, T).
 
-    CPU: as many worker processes as the engine has units (``engine.cpu.work_units``: each x-plane of patch
-    corners cut into units of about ``UNIT_WINDOWS`` windows between rows of corners), at most
+    CPU: as many worker processes as the engine can keep busy (one per x-plane of patch corners), at most
     ``max_procs``; GPU: one process (MultiProc counts a GPU node's ``n_procs`` as GPU slots, so one GPU
     each). ``mem_gb`` follows the memory model above (MEMORY_BASE...), rounded up to 0.1 GiB.
     """
     import math
 
-    from ..engine.cpu import BATCH_BYTES, UNIT_WINDOWS
-    from ..engine.patches import resolve_extent, window_positions
+    from ..engine.cpu import BATCH_BYTES
+    from ..engine.patches import resolve_extent
 
     x, y, z, t = (int(v) for v in shape[:4])
     series_gb = x * y * z * t * 4 / 2**30
     if use_gpu:
         return 1, math.ceil(10 * (MEMORY_BASE + MEMORY_CUDA + SERIES_COPIES_GPU * series_gb)) / 10
     try:
-        extents = resolve_extent(extent, (x, y, z), t)
+        ex = resolve_extent(extent, (x, y, z), t)[0]
     except ValueError:  # a wrong extent fails in the node itself, with its message
-        extents = (1, 1, 1)
-    ex = extents[0]
-    nx, ny, nz = (len(window_positions(size, e, stride)) for size, e in zip((x, y, z), extents))
-    units = nx * min(ny, math.ceil(ny * nz / UNIT_WINDOWS))  # every window runs (no mask): the most units
+        ex = 1
+    step = 1 if stride == 1 else min(stride, ex)
+    units = math.ceil((x - ex) / step) + 1
     n_procs = max(1, min(int(max_procs), units))
     per_worker = 2 * BATCH_BYTES / 2**30 + series_gb * ex / x
     return n_procs, math.ceil(10 * (MEMORY_BASE + SERIES_COPIES_CPU * series_gb + n_procs * per_worker)) / 10
