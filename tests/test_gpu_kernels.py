@@ -240,7 +240,7 @@ def prepared(noisy, mask=None, **options):
     finite = np.isfinite(data).all(axis=3)
     data = data.copy(order="K")  # (in its own order)
     data[~finite] = 0
-    plan = plan_patches(data.shape[:3], resolved.extent, resolved.stride, mask, finite)
+    plan = plan_patches(data.shape[:3], resolved.extent, resolved.stride, mask, finite, resolved.shape)
     return data, mask, finite, plan, resolved
 
 
@@ -475,6 +475,23 @@ def test_an_error_of_the_gpu_run_over_nan_leads_to_the_host_checked_run(gpu_deno
     np.testing.assert_array_equal(result.denoised, expected.denoised)
     # a look after each failed run (the finite series', the NaN's), the NaN's checked run, the CPU's run
     assert len(passes) == 4
+
+
+@interpreted
+@pytest.mark.parametrize("path, aggregation, stride, demean, gram_path", [
+    ("auto", "weighted", 2, "volume", "fused"), ("auto", "weighted", 2, "voxel", "fused"),
+    ("auto", "center", 1, "none", "fused"), ("auto", "center", 1, "voxel", "fused"),
+    ("gather", "uniform", 3, "voxel", "gather"), ("gather", "center", 1, "volume", "gather")])
+def test_sphere_patches_match_cpu_backend(kernels, path, aggregation, stride, demean, gram_path):
+    """Spheres of radius 2 (33 voxels, cubes of 5): the fused kernels (the box sums do not take a sphere,
+    even with voxel demeaning on a full grid) and the gathered path give the CPU backend's sums, every voxel
+    of the image served, corners included."""
+    noisy, _ = low_rank_phantom((7, 6, 6), n_volumes=14, rank=3, sigma=5.0, seed=stride)
+    cpu, gpu, mask = run_both(noisy, extent=3, stride=stride, estimator="exp2", aggregation=aggregation,
+                              demean=demean, shape="sphere", path=path)
+    assert gpu.info["gram_path"] == gram_path
+    assert (cpu.weight > 0).all()
+    assert_same_denoising(cpu, gpu, mask)
 
 
 @interpreted
@@ -866,14 +883,18 @@ class _SolverThatFailsSomeWindows(_FaultySolver):
 
 
 @interpreted
-@pytest.mark.parametrize("aggregation, stride, planes", [("weighted", 2, None), ("center", 1, None),
-                                                         ("weighted", 3, 2), ("center", 1, 2)])
-def test_windows_whose_eigensolve_fails_are_redone_on_the_cpu(kernels, monkeypatch, aggregation, stride, planes):
+@pytest.mark.parametrize("aggregation, stride, planes, shape", [
+    ("weighted", 2, None, "cuboid"), ("center", 1, None, "cuboid"), ("weighted", 3, 2, "cuboid"),
+    ("center", 1, 2, "cuboid"), ("weighted", 2, None, "sphere"), ("center", 1, 2, "sphere")])
+def test_windows_whose_eigensolve_fails_are_redone_on_the_cpu(kernels, monkeypatch, aggregation, stride, planes,
+                                                              shape):
     from mppca_nipype.engine.gpu import pipeline, plan as plan_module
 
-    noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=9)
+    # (a sphere's windows are cubes of 5: a larger image for as many windows to fail)
+    noisy, _ = low_rank_phantom((8, 6, 5) if shape == "cuboid" else (10, 8, 7), n_volumes=14, rank=3, sigma=5.0,
+                                seed=9)
     data, mask, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
-                                                 aggregation=aggregation, demean="volume")
+                                                 aggregation=aggregation, demean="volume", shape=shape)
     cpu = denoise_cpu(data, finite, plan, options, nprocs=1)
     monkeypatch.setattr(plan_module, "BatchedEigh", _SolverThatFailsSomeWindows)
     gpu = pipeline.denoise_gpu(data, finite, plan, options, device="cpu", max_batch=7, planes=planes)
@@ -1103,6 +1124,29 @@ def test_the_settling_pass_chosen_on_the_device_redoes_what_the_host_would(kerne
     n_settled = on_device.info["n_settled_in_float64"]
     assert n_settled == on_host.info["n_settled_in_float64"] and 0 < n_settled < plan.n_windows
     assert on_device.info["gram_path"] == ("box" if path == "auto" else "fused")
+    for got, want in ((on_device.image, on_host.image), (on_device.weight, on_host.weight),
+                      (on_device.sigma, on_host.sigma), (on_device.rank, on_host.rank)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    assert np.abs(on_device.image).min() > 100  # real values compared
+
+
+@interpreted
+def test_a_spheres_settling_pass_on_the_device_adds_its_bounding_cubes_as_the_hosts_does(kernels, monkeypatch):
+    """Spheres redone in float64 by the pass chosen on the device (launches sized for every window, the
+    reconstruction over each bounding cube) give the sums the pass chosen on the host gives."""
+    from mppca_nipype.engine.gpu import pipeline, plan as plan_module, threshold
+
+    monkeypatch.setattr(threshold, "TRIDIAGONAL_SETTLE_SLACK", 3e3)  # wide: some windows, not all, redone
+    noisy, _ = low_rank_phantom((9, 8, 7), n_volumes=15, rank=3, sigma=5.0, seed=21)
+    data, _, finite, plan, options = prepared(noisy, extent=3, stride=2, estimator="exp2", aggregation="weighted",
+                                              demean="voxel", shape="sphere")
+    run = dict(device="cpu", eigensolver="tridiagonal")
+    on_device = pipeline.denoise_gpu(data, finite, plan, options, **run)
+    monkeypatch.setattr(plan_module.GPURun, "settles_on_device", lambda self, n_volumes: False)
+    on_host = pipeline.denoise_gpu(data, finite, plan, options, **run)
+    n_settled = on_device.info["n_settled_in_float64"]
+    assert n_settled == on_host.info["n_settled_in_float64"] and 0 < n_settled < plan.n_windows
+    assert on_device.info["gram_path"] == "fused"
     for got, want in ((on_device.image, on_host.image), (on_device.weight, on_host.weight),
                       (on_device.sigma, on_host.sigma), (on_device.rank, on_host.rank)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)

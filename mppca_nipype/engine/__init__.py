@@ -27,19 +27,21 @@ from .groups import GROUP_DEMEANING, denoise_by_groups, shell_labels
 from .noise_floor import NOISE_FLOORS, check_noise_floor, denoise_magnitude
 from .layout import as_float32, empty_like_series, in_parts, is_volume_major, planes_of_rows
 from .maps import MAPS, removed_variance, resolve_maps
-from .patches import FEW_SAMPLES, PatchPlan, plan_patches, resolve_extent
+from .patches import (FEW_SAMPLES, PATCH_SHAPES, PatchPlan, plan_patches, resolve_extent, resolve_sphere,
+                      sphere_size)
 
 __all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "DenoiseOptions", "MPPCAInputError",
            "MPPCAWarning", "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "NOISE_STRIDE", "available_cpus",
            "check_device", "choose_device", "resolve_gpu_memory", "resolve_noise", "resolve_options",
-           "GPU_MEMORY_VARIABLE", "NOISE_FLOORS", "GROUP_DEMEANING", "shell_labels", "MAPS"]
+           "GPU_MEMORY_VARIABLE", "NOISE_FLOORS", "GROUP_DEMEANING", "shell_labels", "MAPS", "PATCH_SHAPES"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
 MIN_VOLUMES = 3
 
 #: The defaults, chosen by measurement (docs/benchmarks.md, "Choosing the defaults").
-DEFAULTS = dict(extent="wide", stride=3, estimator="exp2", aggregation="weighted", demean="volume", filter="hard")
+DEFAULTS = dict(extent="wide", stride=3, estimator="exp2", aggregation="weighted", demean="volume", filter="hard",
+                shape="cuboid")
 
 #: ``estimate_noise``'s grid step: coarser than ``denoise``'s, chosen by measurement (docs/benchmarks.md,
 #: "The noise map alone").
@@ -91,9 +93,13 @@ def _check_choice(name, value, choices):
         raise MPPCAInputError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
 
 
-def resolve_options(shape, *, extent, stride, estimator, aggregation, demean, noise=None,
-                    mask=None, filter="hard", removed_means=0) -> DenoiseOptions:  # noqa: A002
+def resolve_options(data_shape, /, *, extent, stride, estimator, aggregation, demean, noise=None,
+                    mask=None, filter="hard", removed_means=0, shape="cuboid") -> DenoiseOptions:  # noqa: A002
     """Check every option against the data's shape; raise MPPCAInputError with one sentence if wrong.
+
+    ``shape``, the patch shape: for a sphere the resolved extent is its bounding cube
+    (``patches.resolve_sphere``), which must fit the image, and the sphere must hold at least T voxels (its
+    bounding cube's voxels are projected on the patch's components in time, ``patches``).
 
     ``noise`` and ``mask`` as ``denoise`` takes them (``resolve_noise``). ``removed_means``: the means per
     voxel taken out of the series before it came here (the group contrasts of ``groups.denoise_by_groups``).
@@ -102,17 +108,25 @@ def resolve_options(shape, *, extent, stride, estimator, aggregation, demean, no
     _check_choice("filter", filter, FILTERS)
     _check_choice("aggregation", aggregation, AGGREGATIONS)
     _check_choice("demean", demean, DEMEANING)
+    _check_choice("shape", shape, PATCH_SHAPES)
     if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
         raise MPPCAInputError(f"stride must be a positive integer, not {stride!r}")
     if aggregation == "center" and stride != 1:
         raise MPPCAInputError("aggregation 'center' takes each voxel from its own patch and needs stride 1")
-    n_volumes = shape[3]
+    n_volumes = data_shape[3]
     try:
-        extent = resolve_extent(extent, shape[:3], n_volumes)
+        extent = resolve_extent(extent, data_shape[:3], n_volumes)
+        if shape == "sphere":
+            extent = resolve_sphere(extent, data_shape[:3])
     except ValueError as err:
         raise MPPCAInputError(str(err)) from None
+    if shape == "sphere" and sphere_size(extent[0] // 2) < n_volumes:
+        raise MPPCAInputError(
+            f"shape 'sphere' needs at least as many voxels in a patch as volumes, and the sphere of radius "
+            f"{extent[0] // 2} holds {sphere_size(extent[0] // 2)} for {n_volumes} volumes; give a larger extent")
     return DenoiseOptions(extent, int(stride), estimator, aggregation, demean, filter,
-                          noise_variance=resolve_noise(noise, shape[:3], mask), removed_means=int(removed_means))
+                          noise_variance=resolve_noise(noise, data_shape[:3], mask), removed_means=int(removed_means),
+                          shape=shape)
 
 
 def resolve_noise(noise, spatial_shape, mask=None):
@@ -287,7 +301,7 @@ def _gpu_sums_of_a_finite_series(backend, data, every_voxel, plan, options, run_
 
 def _plan(data, mask, finite, options) -> PatchPlan:
     """The patch plan; warns (as from the caller's caller) when patches or series are too small for MP-PCA."""
-    plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
+    plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite, options.shape)
     t_eff = data.shape[3] - (options.demean == "voxel")
     if plan.patch_size < FEW_SAMPLES or t_eff < FEW_SAMPLES:
         warnings.warn(
@@ -299,11 +313,11 @@ def _plan(data, mask, finite, options) -> PatchPlan:
 def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
             estimator=DEFAULTS["estimator"],
             aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
-            noise=None, noise_floor="none", coils=1, device="auto", nprocs=None, gpu_memory=None,
+            shape=DEFAULTS["shape"], noise=None, noise_floor="none", coils=1, device="auto", nprocs=None, gpu_memory=None,
             progress=None, groups=None, bvals=None, maps=(), _removed_means=0) -> DenoiseResult:
     """Denoise a 4D series, or a multi-echo 5D one, by Marchenko-Pastur PCA (MP-PCA).
 
-    Each patch (a cuboid of ``extent`` voxels) becomes an n x T matrix; the eigenvalues of its Gram matrix
+    Each patch (a cuboid of ``extent`` voxels, or a sphere) becomes an n x T matrix; the eigenvalues of its Gram matrix
     are split into signal and noise by the Marchenko-Pastur law (Veraart 2016; Cordero-Grande 2019), the
     patch is projected onto the signal components, and overlapping patches are combined.
 
@@ -323,6 +337,12 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     stride : int
         1: every voxel is the centre of its own patch (dwidenoise). s > 1: patches on a grid of step s,
         plus one flush against each far edge.
+    shape : {"cuboid", "sphere"}
+        The patch: the cuboid of ``extent``, or the smallest sphere (the voxels within Euclidean distance r
+        of the centre) holding at least as many voxels as that cuboid (``patches.sphere_radius``), placed on
+        the grid as its bounding cube of side 2r + 1 is, which must fit the image. The sphere's voxels give the
+        signal components; every voxel of its bounding cube is projected on them (docs/options.md, "Patch
+        shape").
     estimator : {"exp2", "exp1", "med", "olesen2023"}
         Marchenko-Pastur noise estimator (see ``estimators.marchenko_pastur_threshold``; docs/options.md,
         "Estimators").
@@ -402,7 +422,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     maps = resolve_maps(maps)
     if demean in GROUP_DEMEANING or isinstance(data, (list, tuple)) or np.ndim(data) == 5:
         result = denoise_by_groups(data, mask, demean=demean, groups=groups, bvals=bvals, extent=extent,
-                                   stride=stride, estimator=estimator, aggregation=aggregation, filter=filter,
+                                   stride=stride, shape=shape, estimator=estimator, aggregation=aggregation, filter=filter,
                                    noise=noise, noise_floor=noise_floor, coils=coils, device=device, nprocs=nprocs,
                                    gpu_memory=gpu_memory, progress=progress,
                                    maps=tuple(name for name in maps if name != "variance_removed"))
@@ -415,7 +435,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
                                   "Marchenko-Pastur edges are those of the variance-stabilised data")
         result = denoise_magnitude(data, mask, noise_floor=noise_floor, coils=coils, noise=noise,
                                    denoise_options=dict(extent=extent, stride=stride, estimator=estimator,
-                                                        aggregation=aggregation, demean=demean, filter=filter),
+                                                        aggregation=aggregation, demean=demean, filter=filter,
+                                                        shape=shape),
                                    run_options=dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory,
                                                     progress=progress))
         if "variance_removed" in maps:
@@ -431,7 +452,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
                               aggregation=aggregation, demean=demean, noise=noise, mask=mask, filter=filter,
-                              removed_means=_removed_means)
+                              removed_means=_removed_means, shape=shape)
     if "lambda_plus" in maps:
         options = replace(options, lambda_plus=True)
     check_nprocs(nprocs)
@@ -458,7 +479,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
                 lap("backend")
                 raw, data, finite, n_nonfinite = _finite_input(data, mask)
                 lap("input check")
-                plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)  # (_plan warned)
+                plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite,
+                                    options.shape)  # (_plan warned)
                 lap("plan")
         if sums is None:
             sums = backend(data, finite, plan, options, **run_options)
@@ -480,7 +502,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         result.variance_removed = removed_variance(raw, result.denoised, _served(sums, mask, finite))
     lap("output")
     result.info.update(sums.info)
-    result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
+    result.info.update(dict(extent=list(options.extent), stride=options.stride, shape=options.shape,
+                            estimator=options.estimator,
                             aggregation=options.aggregation, demean=options.demean, filter=options.filter,
                             noise="given" if options.noise_given else "estimated",
                             n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
@@ -503,7 +526,7 @@ class NoiseResult:
 
 def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=NOISE_STRIDE,
                    estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
-                   demean=DEFAULTS["demean"], nprocs=None, progress=None) -> NoiseResult:
+                   demean=DEFAULTS["demean"], shape=DEFAULTS["shape"], nprocs=None, progress=None) -> NoiseResult:
     """The MP-PCA noise map of a 4D series, without denoising it.
 
     Each window's Gram matrix is eigen-decomposed for its eigenvalues only and thresholded by the
@@ -513,7 +536,7 @@ def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=NOISE_S
 
     Parameters
     ----------
-    data, mask, extent, estimator, aggregation, demean, nprocs, progress
+    data, mask, extent, shape, estimator, aggregation, demean, nprocs, progress
         As for ``denoise``.
     stride : int
         The grid step, as for ``denoise``; default NOISE_STRIDE: patches on a coarser grid than
@@ -538,7 +561,7 @@ def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=NOISE_S
 
     data, mask = check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
-                              aggregation=aggregation, demean=demean)
+                              aggregation=aggregation, demean=demean, shape=shape)
     check_nprocs(nprocs)
     _, data, finite, n_nonfinite = _finite_input(data, mask)
     lap("input check")
@@ -553,7 +576,8 @@ def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=NOISE_S
     result = NoiseResult(np.where(served, sigma, 0).astype(np.float32), np.where(served, rank, 0).astype(np.float32))
     lap("output")
     result.info.update(sums.info)
-    result.info.update(dict(extent=list(options.extent), stride=options.stride, estimator=options.estimator,
+    result.info.update(dict(extent=list(options.extent), stride=options.stride, shape=options.shape,
+                            estimator=options.estimator,
                             aggregation=options.aggregation, demean=options.demean, noise="estimated",
                             n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
                             n_nonfinite_voxels=n_nonfinite, seconds=seconds))
@@ -662,7 +686,7 @@ def choose_device(device: str, shape, options: DenoiseOptions, nprocs=None) -> t
 def steps_device(device: str, shape, denoise_options: dict, nprocs=None) -> str:
     """Where the steps over the whole series around ``denoise`` run (complex data's phase, a noise floor's
     transforms and noise level): "cuda" where ``denoise`` of a series of ``shape`` with ``denoise_options``
-    (extent, stride, estimator, aggregation, demean, filter) runs on the GPU engine (``choose_device``),
+    (extent, stride, estimator, aggregation, demean, filter, shape) runs on the GPU engine (``choose_device``),
     else "cpu" (their NumPy code, on the host)."""
     options = resolve_options(shape, **denoise_options)
     return choose_device(device, shape, options, nprocs)[0]

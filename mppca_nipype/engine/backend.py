@@ -39,6 +39,8 @@ class DenoiseOptions:
     removed_means: int = 0
     #: Whether to aggregate each patch's Marchenko-Pastur upper edge too (``PatchSums.lambda_plus``).
     lambda_plus: bool = False
+    #: The patch shape (``patches.PATCH_SHAPES``); for a sphere ``extent`` is its bounding cube.
+    shape: str = "cuboid"
 
     @property
     def demeaned(self) -> bool:

@@ -176,7 +176,7 @@ def _by_slabs(work, series, threads):
 
 def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", phase_width=PHASE_WIDTH,
                     phase_passes=PHASE_PASSES, magnitude_out="clip", extent=None, stride=None, estimator=None,
-                    aggregation=None, demean=None, filter=None,  # noqa: A002
+                    aggregation=None, demean=None, filter=None, shape=None,  # noqa: A002
                     noise=None, device="auto", nprocs=None, gpu_memory=None, progress=None):
     """MP-PCA of complex data: the background phase removed, the real part denoised, the phase put back.
 
@@ -206,7 +206,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         The Hann window's width (the central fraction of k-space along each in-plane axis) and its passes.
     magnitude_out : {"clip", "abs"}
         How the denoised magnitude is taken from R_hat (step 5).
-    extent, stride, estimator, aggregation, demean, noise, device, nprocs, gpu_memory, progress
+    extent, stride, estimator, aggregation, demean, filter, shape, noise, device, nprocs, gpu_memory, progress
         As for ``denoise`` (None: its defaults); ``noise`` is the sigma of each real channel.
 
     Returns
@@ -217,7 +217,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
 
     options = {name: DEFAULTS[name] if value is None else value
                for name, value in dict(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
-                                       demean=demean, filter=filter).items()}
+                                       demean=demean, filter=filter, shape=shape).items()}
 
     seconds, last = {}, time.perf_counter()
 

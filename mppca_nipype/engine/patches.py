@@ -12,6 +12,14 @@ Two layouts, as DESIGN.md fixes them:
   that every voxel is covered. A window serves no particular centre. On an axis where the extent is smaller
   than the stride, the step is the extent (a larger one would leave gaps between windows).
 
+Two patch shapes (``PATCH_SHAPES``): ``cuboid``, the whole window; ``sphere``, the voxels within Euclidean
+distance r of the window's centre voxel, in a window (its bounding cube) of side 2r + 1 laid out as a cuboid's
+(``sphere_radius`` gives r). A sphere's voxels (``voxel_offsets``) make the patch matrix: its Gram, eigenvalues,
+noise level and signal components. Every voxel of its bounding cube (``served_offsets``) is then projected on
+those components and aggregated: no sphere inside the image reaches an image corner (nor, on a coarse grid,
+every voxel between spheres), while bounding cubes cover the image as cuboids do. For a sphere's own voxels the
+projection is their row of the patch's reconstruction, X V_P V_P^T.
+
 Both backends compute each *distinct* window once; a window's multiplicity (how many centre voxels chose
 it) becomes a factor on its aggregation weight, which makes the result identical to computing every
 voxel's patch separately.
@@ -47,6 +55,44 @@ def wide_extent(n_volumes: int) -> int:
 
 #: The named extent rules: a patch size from the number of volumes, before fitting to the image.
 EXTENT_RULES = {"auto": auto_extent, "wide": wide_extent}
+
+#: The patch shapes: the whole window, or the ball inscribed in it.
+PATCH_SHAPES = ("cuboid", "sphere")
+
+
+def sphere_offsets(radius: int) -> np.ndarray:
+    """(n, 3) integer offsets (i, j, k) from the centre with i^2 + j^2 + k^2 <= radius^2, x slowest (C order)."""
+    axis = np.arange(-radius, radius + 1)
+    i, j, k = np.meshgrid(axis, axis, axis, indexing="ij")
+    inside = (i * i + j * j + k * k) <= radius * radius
+    return np.stack([i[inside], j[inside], k[inside]], axis=1)
+
+
+def sphere_size(radius: int) -> int:
+    """Voxels of the sphere of ``radius``: 1, 7, 33, 123, 257, 515, 925, ... for r = 0, 1, 2, ..."""
+    return len(sphere_offsets(radius))
+
+
+def sphere_radius(n_voxels: int) -> int:
+    """The smallest radius whose sphere holds at least ``n_voxels`` voxels."""
+    radius = 0
+    while sphere_size(radius) < n_voxels:
+        radius += 1
+    return radius
+
+
+def resolve_sphere(extent, spatial_shape) -> tuple[int, int, int]:
+    """The bounding cube (2r + 1,) * 3 of the sphere for a resolved cuboid ``extent`` (``resolve_extent``): the
+    smallest sphere holding at least as many voxels as that cuboid. ValueError when the cube exceeds the image."""
+    needed = int(np.prod(extent))
+    radius = sphere_radius(needed)
+    side = 2 * radius + 1
+    if side > min(spatial_shape):
+        raise ValueError(
+            f"a sphere of radius {radius} ({sphere_size(radius)} voxels, at least the {needed} of extent "
+            f"{','.join(map(str, extent))}) needs {side} voxels along every axis, and the image is "
+            f"{'x'.join(map(str, spatial_shape))}; give a smaller extent or shape 'cuboid'")
+    return (side,) * 3
 
 
 def resolve_extent(extent, spatial_shape, n_volumes: int) -> tuple[int, int, int]:
@@ -107,17 +153,21 @@ class PatchPlan:
 
     Attributes
     ----------
-    spatial_shape, extent, stride
-        The geometry.
+    spatial_shape, extent, stride, shape
+        The geometry: for a sphere ``extent`` is its bounding cube.
     window_corner : (W, 3) int array
         Corner voxel of each active window, in processing order (sorted by x, then y, then z).
     multiplicity : (W,) int array
         Number of centre voxels that chose this window (stride 1), else 1.
     voxel_offsets : (n,) int array
         Flat offset of each patch voxel from the window's corner voxel, x slowest (C order).
+    served_offsets : (m,) int array
+        Flat offsets of the voxels a window's reconstruction is added to: the patch's own (the same array)
+        for a cuboid, the whole bounding cube for a sphere.
     centre_voxel, centre_window, centre_position : (V,) int arrays, stride 1 only
         For every voxel that is a patch centre: its flat index, the index of its window in
-        ``window_corner``, and its position (0..n-1) inside that window.
+        ``window_corner``, and its position inside that window's cuboid (the bounding cube for a sphere,
+        where a centre near an edge may lie outside the sphere: it takes the projection of its own row).
     """
 
     spatial_shape: tuple[int, int, int]
@@ -129,6 +179,12 @@ class PatchPlan:
     centre_voxel: np.ndarray | None
     centre_window: np.ndarray | None
     centre_position: np.ndarray | None
+    shape: str = "cuboid"
+    served_offsets: np.ndarray | None = None
+
+    @property
+    def sphere(self) -> bool:
+        return self.shape == "sphere"
 
     @property
     def n_windows(self) -> int:
@@ -152,8 +208,21 @@ def flat_offsets(extent, spatial_shape) -> np.ndarray:
     return ((dx * ny + dy) * nz + dz).ravel()
 
 
-def plan_patches(spatial_shape, extent, stride: int, mask: np.ndarray, finite: np.ndarray) -> PatchPlan:
-    """Lay out the windows for ``extent``/``stride`` and keep those the mask needs.
+def patch_offsets(shape, extent, spatial_shape) -> np.ndarray:
+    """Flat offsets of a patch's voxels from its window's corner voxel, x slowest: the whole window
+    (``cuboid``), or the voxels of its inscribed sphere (``sphere``, ``extent`` a cube of odd side)."""
+    if shape == "cuboid":
+        return flat_offsets(extent, spatial_shape)
+    radius = extent[0] // 2
+    _, ny, nz = spatial_shape
+    dx, dy, dz = (sphere_offsets(radius) + radius).T
+    return (dx * ny + dy) * nz + dz
+
+
+def plan_patches(spatial_shape, extent, stride: int, mask: np.ndarray, finite: np.ndarray,
+                 shape: str = "cuboid") -> PatchPlan:
+    """Lay out the windows for ``extent``/``stride`` (for a sphere: its bounding cube) and keep those the mask
+    needs.
 
     ``mask`` and ``finite`` are boolean (X, Y, Z) arrays: the voxels to denoise, and the voxels whose time
     courses hold no NaN/Inf (the others take part in no patch). With ``stride == 1`` a voxel is a patch
@@ -164,16 +233,16 @@ def plan_patches(spatial_shape, extent, stride: int, mask: np.ndarray, finite: n
     extent = tuple(int(e) for e in extent)
     wanted = mask & finite
     if wanted.all():
-        return _plan_of_every_voxel(spatial_shape, extent, int(stride))
-    return _plan_of(spatial_shape, extent, stride, wanted)
+        return _plan_of_every_voxel(spatial_shape, extent, int(stride), shape)
+    return _plan_of(spatial_shape, extent, stride, wanted, shape)
 
 
 @lru_cache(maxsize=8)
-def _plan_of_every_voxel(spatial_shape, extent, stride) -> PatchPlan:
+def _plan_of_every_voxel(spatial_shape, extent, stride, shape="cuboid") -> PatchPlan:
     """The plan where every voxel is wanted (no mask, every value finite: the usual case), once per geometry
     in a process: a running process that denoises series of one shape (the BIDS app's GPU worker, a script)
     plans once (0.5 ms of a 10 ms GPU call on 96x96x48). Its arrays are read-only, being shared."""
-    plan = _plan_of(spatial_shape, extent, stride, np.ones(spatial_shape, dtype=bool))
+    plan = _plan_of(spatial_shape, extent, stride, np.ones(spatial_shape, dtype=bool), shape)
     for field in fields(plan):
         value = getattr(plan, field.name)
         if isinstance(value, np.ndarray):
@@ -181,11 +250,14 @@ def _plan_of_every_voxel(spatial_shape, extent, stride) -> PatchPlan:
     return plan
 
 
-def _plan_of(spatial_shape, extent, stride, wanted) -> PatchPlan:
+def _plan_of(spatial_shape, extent, stride, wanted, shape="cuboid") -> PatchPlan:
     """``plan_patches`` for the (X, Y, Z) bool ``wanted`` voxels."""
+    if shape not in PATCH_SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(PATCH_SHAPES)}, not {shape!r}")
     positions = [window_positions(s, e, stride) for s, e in zip(spatial_shape, extent)]
     grid_shape = tuple(len(p) for p in positions)
-    offsets = flat_offsets(extent, spatial_shape)
+    served = flat_offsets(extent, spatial_shape)
+    offsets = served if shape == "cuboid" else patch_offsets(shape, extent, spatial_shape)
 
     if stride == 1:
         own = [centre_window(s, e) for s, e in zip(spatial_shape, extent)]
@@ -213,6 +285,7 @@ def _plan_of(spatial_shape, extent, stride, wanted) -> PatchPlan:
             centre_voxel=((vx * ny + vy) * nz + vz)[by_window],
             centre_window=own_window[by_window],
             centre_position=inside[by_window],
+            shape=shape, served_offsets=served,
         )
 
     # stride > 1: a window runs when it holds any wanted voxel (a box sum over an integral image; every
@@ -237,4 +310,5 @@ def _plan_of(spatial_shape, extent, stride, wanted) -> PatchPlan:
         multiplicity=np.ones(len(active), dtype=np.int64),
         voxel_offsets=offsets,
         centre_voxel=None, centre_window=None, centre_position=None,
+        shape=shape, served_offsets=served,
     )

@@ -164,11 +164,12 @@ def _apply_kernel(volume_ptr, spread_ptr, corner_ptr, lowest_ptr, highest_ptr, m
 
 
 def applies(plan, options, finite, n_volumes, dtype, fused) -> bool:
-    """Whether a run's first pass can take the box sums: voxel demeaning, weighted or uniform aggregation,
-    the fused kernels' shapes in float32 with T <= ``MAX_VOLUMES``, a stride > 1 grid with every window
-    active, and every voxel finite (``finite``: the host's (X, Y, Z) flags)."""
+    """Whether a run's first pass can take the box sums: cuboid patches, voxel demeaning, weighted or uniform
+    aggregation, the fused kernels' shapes in float32 with T <= ``MAX_VOLUMES``, a stride > 1 grid with every
+    window active, and every voxel finite (``finite``: the host's (X, Y, Z) flags). A sphere is not a
+    separable box (its Gram is no product of sums along x, y and z), so it takes the fused kernels."""
     grid = [len(window_positions(s, e, plan.stride)) for s, e in zip(plan.spatial_shape, plan.extent)]
-    return (options.demean == "voxel" and options.aggregation != "center" and fused and dtype == torch.float32
+    return (not plan.sphere and options.demean == "voxel" and options.aggregation != "center" and fused and dtype == torch.float32
             and n_volumes <= MAX_VOLUMES and plan.stride > 1 and plan.n_windows == int(np.prod(grid))
             and bool(np.all(finite)))
 
