@@ -36,7 +36,7 @@ from .engine.gpu import absent_reason, visible_devices as visible_gpus
 from .engine.complex_data import PHASE_METHODS
 from .engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS, FILTERS
 from .engine.groups import GROUP_DEMEANING
-from .engine.patches import EXTENT_RULES
+from .engine.patches import EXTENT_RULES, PATCH_SHAPES
 
 LOGGER = logging.getLogger("nipype.interface")
 
@@ -188,6 +188,9 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
              "'wide' (the same but at least 7), one int or three")
     stride = traits.Int(DEFAULTS["stride"], usedefault=True,
                         desc="patch grid step; 1 makes every voxel the centre of a patch (dwidenoise)")
+    shape = traits.Enum(*default_first("shape", PATCH_SHAPES), usedefault=True,
+                        desc="patch shape: 'cuboid' the whole extent, 'sphere' the smallest sphere holding as "
+                             "many voxels, placed on the grid of its bounding cube")
     estimator = traits.Enum(*default_first("estimator", ESTIMATORS), usedefault=True,
                             desc="Marchenko-Pastur noise estimator: exp2 (Cordero-Grande 2019), exp1 (Veraart "
                                  "2016), med (the median noise eigenvalue, Gavish & Donoho 2014), olesen2023 "
@@ -279,7 +282,7 @@ class MPPCADenoise(SimpleInterface):
         mask = None
         if isdefined(self.inputs.mask):
             mask = io.load_mask(self.inputs.mask, data.shape[:3])
-        parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride,
+        parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride, shape=self.inputs.shape,
                           estimator=self.inputs.estimator, aggregation=self.inputs.aggregation,
                           demean=self.inputs.demean, filter=self.inputs.filter)
         if self.inputs.demean == "shells" and isdefined(self.inputs.bval_file):

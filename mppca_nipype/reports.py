@@ -129,9 +129,10 @@ class PatchSpectrum:
 
 def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                    estimator=DEFAULTS["estimator"], demean=DEFAULTS["demean"], n_sampled=48, n_shown=3,
-                   seed=0) -> list[PatchSpectrum]:
+                   seed=0, shape=DEFAULTS["shape"]) -> list[PatchSpectrum]:
     """Fit ``n_sampled`` random patches of the run's layout; return ``n_shown`` of them (lowest, median and
-    highest rank), each with its eigenvalues.
+    highest rank), each with its eigenvalues. For ``shape="sphere"``, ``extent`` is the sphere's bounding
+    cube, as the run's ``info["extent"]`` records it.
 
     The patches are gathered, centred and thresholded by the CPU engine's ``fit_windows`` (so by the same
     code as the run); only the eigenvalues are recomputed here, from the centred patches.
@@ -142,10 +143,10 @@ def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULT
     from .engine.patches import plan_patches
 
     data, mask = check_data(data, mask)
-    options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
-                              aggregation="uniform", demean=demean)
+    options = replace(resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
+                                      aggregation="uniform", demean=demean), shape=shape)
     finite = np.isfinite(data).all(axis=3)
-    plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite)
+    plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite, shape)
     if plan.n_windows == 0:
         return []
     rng = np.random.default_rng(seed)
@@ -438,19 +439,21 @@ def write_run_figures(noisy, result, out_dir, *, mask=None, zooms=(1, 1, 1), tit
     zooms : three floats
         Voxel sizes, for the aspect ratio of the slices.
     options : dict, optional
-        extent, stride, estimator, demean (default: from ``result.info``).
+        extent, stride, estimator, demean, shape (default: from ``result.info``).
     """
     info = dict(result.info)
     options = dict(options or {})
     for key in ("extent", "stride", "estimator", "demean"):
         options.setdefault(key, info.get(key))
+    options.setdefault("shape", info.get("shape", DEFAULTS["shape"]))
     noisy = np.asarray(noisy, dtype=np.float32)
     sigma, rank, denoised = np.asarray(result.sigma), np.asarray(result.rank), np.asarray(result.denoised)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = f"{title}: " if title else ""
     spectra = sample_spectra(noisy, mask, extent=tuple(options["extent"]), stride=int(options["stride"]),
-                             estimator=options["estimator"], demean=options["demean"], seed=seed)
+                             estimator=options["estimator"], demean=options["demean"], seed=seed,
+                             shape=options["shape"])
     figures = {
         "slices": plot_slices(noisy, denoised, sigma, zooms, title=prefix),
         "maps": plot_maps(sigma, rank, zooms, title=prefix),
@@ -543,7 +546,8 @@ def _summary_rows(provenance) -> list[tuple[str, str]]:
     return [
         ("median noise (sigma)", f"{provenance.get('NoiseMedian', float('nan')):.4g}"),
         ("median rank", f"{provenance.get('RankMedian', float('nan')):.3g}"),
-        ("patch", ("x".join(map(str, extent)) if extent else "?") + f", stride {info.get('stride', '?')}"),
+        ("patch", ("x".join(map(str, extent)) if extent else "?")
+         + (" (sphere)" if info.get("shape") == "sphere" else "") + f", stride {info.get('stride', '?')}"),
         ("estimator / aggregation / demean",
          f"{info.get('estimator', '?')} / {info.get('aggregation', '?')} / {info.get('demean', '?')}"),
         ("patches", f"{info.get('n_windows', '?')}"),

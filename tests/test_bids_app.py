@@ -196,6 +196,17 @@ def test_denoising_options_reach_every_run(dataset, tmp_path, capsys):
     assert "centred on every voxel" in (tmp_path / "out/logs/CITATION.md").read_text()
 
 
+def test_the_patch_shape_reaches_every_run_and_its_provenance(dataset, tmp_path, capsys):
+    status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--participant-label", "01",
+                             "--datatype", "dwi", "--shape", "sphere", "--extent", "3", "--skip-bids-validation",
+                             *FAST)
+    assert status == 0, err
+    provenance = read_json(tmp_path / "out/sub-01/ses-1/dwi/sub-01_ses-1_desc-denoised_dwi.json")["MPPCADenoising"]
+    assert provenance["Parameters"]["shape"] == "sphere"
+    assert provenance["EngineInfo"]["shape"] == "sphere" and provenance["EngineInfo"]["extent"] == [5, 5, 5]
+    assert "spheres (the voxels within a Euclidean radius" in (tmp_path / "out/logs/CITATION.md").read_text()
+
+
 @pytest.mark.parametrize("label", ["1", "ses-1"])
 def test_session_label_with_or_without_prefix(dataset, tmp_path, capsys, label):
     status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--session-label", label,

@@ -152,6 +152,16 @@ def test_options_reach_the_engine(tmp_path, series_path, noisy):
                                   denoise(noisy, **options, nprocs=1).denoised)
 
 
+def test_shape_sphere_reaches_the_engine(tmp_path, series_path, noisy):
+    out = tmp_path / "out.nii"
+    result = run_cli(series_path, out, "--shape", "sphere", "--extent", "3", "--stride", "2", "--nprocs", "1")
+    assert result.returncode == 0, result.stderr
+    sphere = denoise(noisy, extent=3, stride=2, shape="sphere", nprocs=1).denoised
+    np.testing.assert_array_equal(nib.load(out).get_fdata(dtype=np.float32), sphere)
+    # (and not the cuboid's)
+    assert np.abs(sphere - denoise(noisy, extent=3, stride=2, nprocs=1).denoised).max() > 1e-2
+
+
 def test_mask_limits_the_denoised_voxels(tmp_path, series_path, noisy):
     mask = np.zeros(SHAPE, dtype=np.uint8)
     mask[2:7, 1:6, 1:6] = 1
@@ -339,6 +349,10 @@ BAD_INPUTS = {
     "stride 0": (_with("--stride", "0"), 2, "--stride"),
     "center needs stride 1": (_with("--aggregation", "center", "--stride", "2"), 2, "needs stride 1"),
     "unknown estimator": (_with("--estimator", "exp3"), 2, "--estimator"),
+    "unknown shape": (_with("--shape", "ball"), 2, "--shape"),
+    "sphere larger than the image": (_with("--shape", "sphere"), 2,
+                                     "a sphere of radius 5 (515 voxels, at least the 343 of extent 7,7,7) needs 11 "
+                                     "voxels along every axis, and the image is 9x8x7"),
     "missing output folder": (_with(output="absent/out.nii.gz"), 1, "does not exist"),
     "output not NIfTI": (_with(output="out.mif"), 1, ".nii or .nii.gz"),
     "noise map where no file can be created": (_with("--noise", "/proc/mppca-noise.nii.gz"), 1,

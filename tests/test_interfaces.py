@@ -54,7 +54,8 @@ def test_provenance_records_parameters_backend_versions_and_checksum(series, tmp
     result = run_in(tmp_path / "node", MPPCADenoise(in_file=str(series), use_gpu=False, estimator="exp1",
                                                      extent="auto", stride=2, demean="voxel", num_threads=1))
     provenance = read_json(result.outputs.provenance_file)
-    assert provenance["Parameters"] == dict(extent="auto", stride=2, estimator="exp1", aggregation="weighted",
+    assert provenance["Parameters"] == dict(extent="auto", stride=2, shape="cuboid", estimator="exp1",
+                                            aggregation="weighted",
                                             demean="voxel", filter="hard", noise_floor="none", coils=1,
                                             use_gpu=False,
                                             num_threads=1)
@@ -75,6 +76,25 @@ def test_provenance_records_parameters_backend_versions_and_checksum(series, tmp
     # the phantom's noise is 20: the median estimate inside the image must be near it
     assert 10 < provenance["NoiseMedian"] < 30
     assert 0 <= provenance["RankMedian"] <= N_DWI
+
+
+def test_shape_sphere_reaches_the_engine_and_the_provenance(series, tmp_path):
+    result = run_in(tmp_path / "node", MPPCADenoise(in_file=str(series), use_gpu=False, shape="sphere",
+                                                     extent=3, num_threads=1))
+    expected = denoise(nib.load(series).get_fdata(dtype=np.float32), extent=3, shape="sphere", device="cpu",
+                       nprocs=1)
+    np.testing.assert_allclose(nib.load(result.outputs.out_file).get_fdata(), expected.denoised, rtol=0, atol=1e-3)
+    provenance = read_json(result.outputs.provenance_file)
+    assert provenance["Parameters"]["shape"] == "sphere"
+    assert provenance["EngineInfo"]["shape"] == "sphere" and provenance["EngineInfo"]["extent"] == [5, 5, 5]
+    assert MPPCADenoise().inputs.shape == "cuboid"
+
+
+def test_init_mppca_wf_passes_the_patch_shape_and_says_it_in_the_methods():
+    workflow = init_mppca_wf(patch_shape="sphere", use_gpu=False)
+    assert workflow.get_node("denoise").inputs.shape == "sphere"
+    assert "spheres (the voxels within a Euclidean radius of the centre)" in workflow.__desc__
+    assert "spheres" not in init_mppca_wf(use_gpu=False).__desc__
 
 
 @pytest.mark.parametrize("extent", [3, [3, 3, 5], (5, 3, 3)])

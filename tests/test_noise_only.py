@@ -151,6 +151,15 @@ def test_mppca_noise_at_denoise_s_options_writes_mppca_denoise_s_noise_map(tmp_p
             == np.asarray(nib.load(tmp_path / "full.nii").dataobj).tobytes())
 
 
+def test_mppca_noise_takes_the_patch_shape(tmp_path, series_path, series):
+    result = run_command("noise", series_path, tmp_path / "sigma.nii", "--shape", "sphere", "--extent", "3",
+                         "--nprocs", "1")
+    assert result.returncode == 0, result.stderr
+    expected = estimate_noise(series, extent=3, shape="sphere", nprocs=1)
+    assert expected.info["shape"] == "sphere" and expected.info["extent"] == [5, 5, 5]
+    np.testing.assert_array_equal(np.asarray(nib.load(tmp_path / "sigma.nii").dataobj), expected.sigma)
+
+
 def test_noise_only_is_the_same_command(tmp_path, series_path):
     alias = run_command("denoise", series_path, "--noise-only", "--noise", tmp_path / "a.nii", "--nprocs", "1")
     primary = run_command("noise", series_path, tmp_path / "b.nii", "--nprocs", "1")

@@ -543,7 +543,8 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
     logging.update_logging(config)
 
     workflow = init_bids_wf(todo, bids_dir=bids_dir, output_dir=output_dir, extent=args.extent,
-                            stride=args.stride, estimator=args.estimator, aggregation=args.aggregation,
+                            stride=args.stride, patch_shape=args.shape, estimator=args.estimator,
+                            aggregation=args.aggregation,
                             demean=args.demean, filter=args.filter, num_threads=nprocs, reports=args.reports, noise_in=args.noise_in,
                             gpu_memory=args.gpu_memory, **noise_floor_options(args), phase_method=args.phase_method,
                             maps=maps_asked(args),

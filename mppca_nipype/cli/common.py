@@ -270,7 +270,7 @@ def add_denoising_options(parser, *, stride=None, stride_unset=False, groups=Fal
     ``stride_unset``: leave ``args.stride`` None when not given, for a command whose default depends on other
     options (``mppca-denoise --noise-only``); ``groups``: ``--demean`` also takes ``shells`` and
     ``groups:FILE`` (``demean_mode``)."""
-    from ..engine import DEFAULTS
+    from ..engine import DEFAULTS, PATCH_SHAPES
     from ..engine.estimators import AGGREGATIONS, DEMEANING, ESTIMATORS
 
     stride = DEFAULTS["stride"] if stride is None else stride
@@ -282,6 +282,11 @@ def add_denoising_options(parser, *, stride=None, stride_unset=False, groups=Fal
                         help="1: every voxel is the centre of its own patch (dwidenoise); S > 1: patches "
                              "on a grid of step S (at most the extent) plus one flush against each far edge, "
                              f"fewer patches and faster (default: {stride})")
+    parser.add_argument("--shape", choices=PATCH_SHAPES, default=DEFAULTS["shape"],
+                        help="the patch: cuboid, the whole extent; sphere, the voxels within distance r of the "
+                             "centre, r the smallest radius holding as many voxels as the extent's cuboid, on "
+                             "the grid of its bounding cube of side 2r+1, which must fit the image "
+                             "(docs/options.md) (default: %(default)s)")
     parser.add_argument("--estimator", choices=ESTIMATORS, default=DEFAULTS["estimator"],
                         help="Marchenko-Pastur noise estimator: exp2 (Cordero-Grande 2019, dwidenoise's "
                              "default), exp1 (Veraart 2016), med (the median noise eigenvalue, Gavish & Donoho "

@@ -309,7 +309,7 @@ def _checked(args, parser):
         if echo_shape != shape:
             raise MPPCAInputError(f"the echo {path} has shape {echo_shape}, but IN's is {shape}")
     groups = _volume_groups(args, shape[3])
-    options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
+    options = dict(extent=args.extent, stride=args.stride, shape=args.shape, estimator=args.estimator,
                    aggregation=args.aggregation, filter=args.filter, **groups)
     resolve_shape, resolve_demean, removed_means = shape, groups["demean"], 0
     if args.echo or groups["demean"] in GROUP_DEMEANING:  # the series denoise() runs: the group contrasts
@@ -319,7 +319,7 @@ def _checked(args, parser):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", MPPCAWarning)  # denoise() gives the same warnings, once
-            resolved = resolve_options(resolve_shape, extent=args.extent, stride=args.stride,
+            resolved = resolve_options(resolve_shape, extent=args.extent, stride=args.stride, shape=args.shape,
                                        estimator=args.estimator, aggregation=args.aggregation,
                                        demean=resolve_demean, filter=args.filter, removed_means=removed_means)
     except MPPCAInputError as err:
@@ -364,7 +364,7 @@ def warm_up(args, parser) -> None:
     GPU can be used: one sentence, and nothing else to do (``--device cuda``: that is an error)."""
     if args.device == "cpu":
         parser.error("--warm-up compiles the GPU engine's kernels and cannot run with --device cpu")
-    options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
+    options = dict(extent=args.extent, stride=args.stride, shape=args.shape, estimator=args.estimator,
                    aggregation=args.aggregation, demean=args.demean, filter=args.filter)
     for n_volumes in args.warm_up:
         try:

@@ -81,7 +81,7 @@ def run(args, parser, prog: str = PROG) -> None:
     phases = Phases(start_up=process_age())
     with phases("checks"):
         image, shape, mask = open_input(args)  # shapes only: no voxel of the series is read yet
-        options = dict(extent=args.extent, stride=args.stride, estimator=args.estimator,
+        options = dict(extent=args.extent, stride=args.stride, shape=args.shape, estimator=args.estimator,
                        aggregation=args.aggregation, demean=args.demean)
         try:
             with warnings.catch_warnings():

@@ -80,7 +80,7 @@ _FILTER_TEXT = {
 def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise_in=None,
                  noise_floor="none", coils=1, what="series", filter=DEFAULTS["filter"],  # noqa: A002
-                 phase_method=None, echoes=False) -> str:
+                 phase_method=None, echoes=False, patch_shape=DEFAULTS["shape"]) -> str:
     """The methods paragraph for the given parameters (Markdown, with citations). ``noise_in``: None (the
     noise estimated per patch), a number (one given sigma) or "maps" (a given map per series);
     ``noise_floor`` and ``coils`` as for :func:`mppca_nipype.denoise`; ``phase_method``: how the background
@@ -96,6 +96,9 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
         size = f"{extent}x{extent}x{extent} voxels"
     else:
         size = "x".join(str(e) for e in extent) + " voxels"
+    if patch_shape == "sphere":
+        size = (f"spheres (the voxels within a Euclidean radius of the centre) holding at least as many voxels as "
+                f"cuboids of {size}")
     grid = ("centred on every voxel" if stride == 1
             else f"on a grid of step {stride} voxels (plus patches flush with the far edges)")
     demeaning = {"voxel": " after removing each voxel's temporal mean",
@@ -221,7 +224,7 @@ def sbatch_resources(node) -> str:
 def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
                   demean=DEFAULTS["demean"], filter=DEFAULTS["filter"], use_gpu=None,  # noqa: A002
-                  num_threads=1, shape=None, noise_in=None, gpu_memory=None, noise_floor="none", coils=1,
+                  num_threads=1, shape=None, patch_shape=DEFAULTS["shape"], noise_in=None, gpu_memory=None, noise_floor="none", coils=1,
                   phase_method=None, maps=()):
     """MP-PCA denoising of one 4D series.
 
@@ -239,6 +242,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     shape : tuple, optional
         The input's shape (X, Y, Z, T): the node's ``n_procs`` and ``mem_gb`` are then set from it
         (:func:`node_resources`), so that MultiProc and the cluster plugins reserve what it needs.
+    patch_shape : {"cuboid", "sphere"}
+        The patch shape, :func:`mppca_nipype.denoise`'s ``shape`` (``MPPCADenoise.shape``).
     noise_in : None, a number or "maps"
         How the noise level is known, for the methods text and the placement: estimated (None), one given
         sigma, or a map per series given through ``inputnode.noise_in``.
@@ -288,7 +293,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     workflow = pe.Workflow(name=name)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_in,
-                                     noise_floor=noise_floor, coils=coils, filter=filter, phase_method=phase_method)
+                                     noise_floor=noise_floor, coils=coils, filter=filter, phase_method=phase_method,
+                                     patch_shape=patch_shape)
     workflow.__postdesc__ = references_text(noise_floor, filter, estimator, complex_data=phase_method is not None)
     inputnode = pe.Node(IdentityInterface(fields=["in_file", "mask", "metadata", "noise_in", "phase_file",
                                                   "echo_files"]), name="inputnode")
@@ -304,7 +310,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
         n_procs, mem_gb = node_resources(shape, use_gpu=use_gpu, max_procs=num_threads, extent=extent,
                                          stride=stride)
     denoise = pe.Node(
-        MPPCADenoise(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
+        MPPCADenoise(extent=extent, stride=stride, shape=patch_shape, estimator=estimator, aggregation=aggregation,
                      demean=demean, filter=filter, noise_floor=noise_floor, coils=coils, use_gpu=use_gpu, num_threads=n_procs,
                      **({} if gpu_memory is None else {"gpu_memory": str(gpu_memory)}),
                      **({} if phase_method is None else {"phase_method": phase_method}),
@@ -329,7 +335,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
 
 
 def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEFAULTS["extent"],
-                 stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
+                 stride=DEFAULTS["stride"], patch_shape=DEFAULTS["shape"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
                  use_gpu=None, num_threads=1, reports=True, noise_in=None, gpu_memory=None, noise_floor="none",
                  coils=1, phase_method=PHASE_METHODS[0], maps=()):
@@ -379,7 +385,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
                                      aggregation=aggregation, demean=demean, noise_in=noise_kind,
                                      noise_floor=floor, coils=coils, what=what, filter=filter,
                                      phase_method=phase_method if pairs else None,
-                                     echoes=any(run.echoes for run in todo))
+                                     echoes=any(run.echoes for run in todo), patch_shape=patch_shape)
     workflow.__postdesc__ = references_text(floor, filter, estimator, complex_data=pairs)
     for run in todo:
         run_maps = maps if run.phase is None else ()  # (a magnitude/phase pair: denoise_complex, no extra maps)
@@ -390,7 +396,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
             shape = (*shape[:3], 2 * shape[3])
         if run.echoes and shape is not None:  # the node holds every echo (node_resources)
             shape = shape[:3] + (shape[3] * (1 + len(run.echoes)),)
-        run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride,
+        run_wf = init_mppca_wf(name=f"run_{run.node_name}", extent=extent, stride=stride, patch_shape=patch_shape,
                                estimator=estimator, aggregation=aggregation, demean=demean, filter=filter,
                                use_gpu=use_gpu, num_threads=num_threads, shape=shape,
                                noise_in=noise_kind, gpu_memory=gpu_memory,
