@@ -844,7 +844,8 @@ def test_box_sums_apply_only_to_voxel_demeaning_on_a_full_grid_of_finite_voxels(
         resolved = resolve_options(shape + (n_volumes,), **options)
         everywhere = np.ones(shape, bool)
         finite = everywhere if finite is None else finite
-        plan = plan_patches(shape, resolved.extent, resolved.stride, everywhere if mask is None else mask, finite)
+        plan = plan_patches(shape, resolved.extent, resolved.stride, everywhere if mask is None else mask, finite,
+                            resolved.shape)
         return applies(plan, resolved, finite, n_volumes, dtype, fused)
 
     assert case() and case(aggregation="uniform") and case(n_volumes=MAX_VOLUMES)
@@ -856,6 +857,12 @@ def test_box_sums_apply_only_to_voxel_demeaning_on_a_full_grid_of_finite_voxels(
     nan = np.ones((12, 10, 9), bool)
     nan[5, 5, 5] = False
     assert not case(finite=nan)
+    # a sphere (of radius 2 in cubes of 5) on a full grid of finite voxels with voxel demeaning: not a box
+    sphere = resolve_options((12, 10, 9, 20), extent=3, stride=2, estimator="exp2", demean="voxel",
+                             aggregation="weighted", shape="sphere")
+    everywhere = np.ones((12, 10, 9), bool)
+    plan = plan_patches((12, 10, 9), sphere.extent, sphere.stride, everywhere, everywhere, "sphere")
+    assert plan.n_windows == 5 * 4 * 3 and not applies(plan, sphere, everywhere, 20, torch.float32, True)
 
 
 @interpreted

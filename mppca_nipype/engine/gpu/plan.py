@@ -370,7 +370,7 @@ class GPURun:
         if self.path == "box" and not self.takes_box_sums:
             raise ValueError("the box sums take voxel demeaning, weighted or uniform aggregation, a float32 "
                              f"first pass, T <= {boxsums.MAX_VOLUMES}, stride > 1 with every window active "
-                             "and every voxel finite")
+                             "and every voxel finite, in cuboid patches")
 
     def settles_on_device(self, n_volumes) -> bool:
         """Whether the settling pass can run with no synchronisation (``settling.settle_on_device``): a float32
