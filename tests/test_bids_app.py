@@ -207,6 +207,17 @@ def test_the_patch_shape_reaches_every_run_and_its_provenance(dataset, tmp_path,
     assert "spheres (the voxels within a Euclidean radius" in (tmp_path / "out/logs/CITATION.md").read_text()
 
 
+def test_a_sphere_larger_than_a_runs_image_is_refused_before_any_run(dataset, tmp_path, capsys):
+    """The default extent (wide: 7^3 = 343 voxels) takes spheres of radius 5, cubes of 11: larger than the
+    10x10x8 images."""
+    status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--participant-label", "01",
+                             "--datatype", "dwi", "--shape", "sphere", "--skip-bids-validation", *FAST)
+    assert_clean_failure(err, status, EXIT["usage"])
+    assert ("sub-01/ses-1/dwi/sub-01_ses-1_dwi.nii.gz: a sphere of radius 5 (515 voxels, at least the 343 of "
+            "extent 7,7,7) needs 11 voxels along every axis, and the image is 10x10x8") in err
+    assert not list((tmp_path / "out").glob("sub-*"))
+
+
 @pytest.mark.parametrize("label", ["1", "ses-1"])
 def test_session_label_with_or_without_prefix(dataset, tmp_path, capsys, label):
     status, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--session-label", label,

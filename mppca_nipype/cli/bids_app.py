@@ -374,6 +374,29 @@ def check_noise_maps(runs, noise_dir):
         raise AppError(str(err), EXIT["input_missing"]) from None
 
 
+def check_patch_shape(runs, args):
+    """With ``--shape sphere``: every run's sphere (of its own grid and volumes) fits its image and holds its
+    volumes (``engine.resolve_options``), so that such a run is refused in one sentence before any runs.
+    Multi-echo runs, whose patches hold the echoes' contrasts, and the 2T volumes of a pair's ``mppca`` phase
+    pass are checked by their node when it runs."""
+    from ..engine import resolve_options
+    from ..workflows import series_shape
+
+    if args.shape != "sphere":
+        return
+    for run_ in runs:
+        shape = series_shape(run_.path)
+        if run_.echoes or shape is None:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the run's own warnings come when it runs)
+                resolve_options(shape, extent=args.extent, stride=args.stride, estimator=args.estimator,
+                                aggregation=args.aggregation, demean=args.demean, shape=args.shape)
+        except MPPCAInputError as err:
+            raise AppError(f"{run_.relpath}: {err}", EXIT["usage"]) from None
+
+
 def check_cuda():
     """Raise MPPCAInputError, with the reason, when the GPU engine cannot run here."""
     from ..engine import check_device
@@ -475,6 +498,7 @@ def finish_run(args, bids_dir, filters, output_dir, work_dir, use_gpu, worker, n
         todo, skipped = select_runs(args, layout, filters)
     if isinstance(args.noise_in, Path):
         check_noise_maps(todo, args.noise_in)
+    check_patch_shape(todo, args)
     for run_ in skipped:
         say(f"{PROG}: warning: skipping {run_.relpath}: {run_.skip}")
     for run_ in todo:

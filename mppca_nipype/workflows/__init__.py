@@ -389,7 +389,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     workflow.__postdesc__ = references_text(floor, filter, estimator, complex_data=pairs)
     for run in todo:
         run_maps = maps if run.phase is None else ()  # (a magnitude/phase pair: denoise_complex, no extra maps)
-        shape = _series_shape(run.path)
+        shape = series_shape(run.path)
         if run.phase is not None and shape is not None:
             # a complex run holds about twice a magnitude run's arrays (the complex series, the background
             # phase, the demodulated parts), and 'mppca' denoises 2T volumes first: sized as 2T volumes
@@ -465,7 +465,7 @@ def _sink_run(workflow, run, run_wf, denoised, provenance, output_dir, reports, 
     return sink
 
 
-def _series_shape(path):
+def series_shape(path):
     """The 4D shape from the NIfTI header (no data read); None when the header cannot be read (the node
     then fails with the reader's message)."""
     import nibabel as nib
