@@ -190,7 +190,7 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
                         desc="patch grid step; 1 makes every voxel the centre of a patch (dwidenoise)")
     shape = traits.Enum(*default_first("shape", PATCH_SHAPES), usedefault=True,
                         desc="patch shape: 'cuboid' the whole extent, 'sphere' the smallest sphere holding as "
-                             "many voxels, placed on the grid of its bounding cube")
+                             "many voxels, centred on the stride's grid over the image and clipped at its edges")
     estimator = traits.Enum(*default_first("estimator", ESTIMATORS), usedefault=True,
                             desc="Marchenko-Pastur noise estimator: exp2 (Cordero-Grande 2019), exp1 (Veraart "
                                  "2016), med (the median noise eigenvalue, Gavish & Donoho 2014), olesen2023 "

@@ -139,7 +139,7 @@ def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULT
     """
     from .engine import check_data, resolve_options
     from .engine.cpu import fit_windows
-    from .engine.layout import voxel_rows
+    from .engine.layout import padded_series, voxel_rows
     from .engine.patches import plan_patches
 
     data, mask = check_data(data, mask)
@@ -153,9 +153,11 @@ def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULT
     chosen = np.sort(rng.choice(plan.n_windows, size=min(n_sampled, plan.n_windows), replace=False))
     sampled = replace(plan, window_corner=plan.window_corner[chosen], multiplicity=plan.multiplicity[chosen])
     # the sampled patches' rows gathered from the series in its own order (a volume-major one: no transpose)
-    volume = voxel_rows(data if finite.all() else np.where(finite[..., None], data, np.float32(0)))
+    # (spheres: on the series padded by their radius, as the plan's grid is)
+    series, finite = padded_series(data if finite.all() else np.where(finite[..., None], data, np.float32(0)),
+                                   finite, plan.padding)
     with threadpool_limits(limits=1):  # a multithreaded BLAS on a few small matrices is 100x slower
-        fit = fit_windows(volume, finite.ravel(), sampled, options, slice(None))
+        fit = fit_windows(voxel_rows(series), finite.ravel(), sampled, options, slice(None))
         patches = fit.patches
         gram = patches.transpose(0, 2, 1) @ patches if fit.time_side else patches @ patches.transpose(0, 2, 1)
         eigenvalues = np.linalg.eigvalsh(gram)[:, ::-1]  # descending
@@ -170,7 +172,7 @@ def sample_spectra(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULT
         rank = int(fit.rank[k])
         gamma = (r - rank) / q if options.estimator == "exp1" else (r - rank) / (q - rank)
         spectra.append(PatchSpectrum(np.clip(eigenvalues[k, :r], 0, None) / q, rank, float(fit.sigma2[k]),
-                                     float(gamma), tuple(int(c) for c in sampled.window_corner[k]),
+                                     float(gamma), tuple(int(c) - plan.padding for c in sampled.window_corner[k]),
                                      int(n_voxels[k]), int(n_volumes), options.estimator))
     return spectra
 

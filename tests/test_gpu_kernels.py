@@ -495,6 +495,29 @@ def test_sphere_patches_match_cpu_backend(kernels, path, aggregation, stride, de
 
 
 @interpreted
+@pytest.mark.parametrize("order, planes, aggregation, stride", [("F", None, "weighted", 2), ("C", 3, "center", 1)])
+def test_spheres_of_a_masked_volume_major_series_or_in_slabs_match_cpu_backend(kernels, order, planes, aggregation,
+                                                                               stride):
+    """Spheres clipped at the image's edges (the series padded by their radius, the sums cropped): a
+    Fortran-order series, slabs of x-planes, a mask and a voxel holding NaN give the CPU backend's sums on the
+    image's grid."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((8, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=4)
+    noisy[4, 3, 1, 5] = np.nan
+    mask = np.ones(noisy.shape[:3], bool)
+    mask[0, :2] = False
+    data, mask, finite, plan, resolved = prepared(np.asarray(noisy, order=order), mask, extent=3, stride=stride,
+                                                  estimator="exp2", aggregation=aggregation, demean="volume",
+                                                  shape="sphere")
+    cpu = denoise_cpu(data, finite, plan, resolved, nprocs=1)
+    gpu = denoise_gpu(data, finite, plan, resolved, device="cpu", planes=planes)
+    assert plan.padding == 2 and gpu.weight.shape == (8 * 6 * 5,)
+    assert data.flags.f_contiguous == (order == "F")
+    assert_same_denoising(cpu, gpu, mask)
+
+
+@interpreted
 @pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
 @pytest.mark.parametrize("demean", ["voxel", "volume", "none"])
 def test_voxel_side_gram_when_patch_has_fewer_voxels_than_volumes(kernels, aggregation, stride, demean):
@@ -857,12 +880,13 @@ def test_box_sums_apply_only_to_voxel_demeaning_on_a_full_grid_of_finite_voxels(
     nan = np.ones((12, 10, 9), bool)
     nan[5, 5, 5] = False
     assert not case(finite=nan)
-    # a sphere (of radius 2 in cubes of 5) on a full grid of finite voxels with voxel demeaning: not a box
+    # spheres (of radius 2 in cubes of 5, centred on 0, 2, ... and the last voxel) on a full grid of finite
+    # voxels with voxel demeaning: not a box
     sphere = resolve_options((12, 10, 9, 20), extent=3, stride=2, estimator="exp2", demean="voxel",
                              aggregation="weighted", shape="sphere")
     everywhere = np.ones((12, 10, 9), bool)
     plan = plan_patches((12, 10, 9), sphere.extent, sphere.stride, everywhere, everywhere, "sphere")
-    assert plan.n_windows == 5 * 4 * 3 and not applies(plan, sphere, everywhere, 20, torch.float32, True)
+    assert plan.n_windows == 7 * 6 * 5 and not applies(plan, sphere, everywhere, 20, torch.float32, True)
 
 
 @interpreted
@@ -1138,9 +1162,9 @@ def test_the_settling_pass_chosen_on_the_device_redoes_what_the_host_would(kerne
 
 
 @interpreted
-def test_a_spheres_settling_pass_on_the_device_adds_its_bounding_cubes_as_the_hosts_does(kernels, monkeypatch):
-    """Spheres redone in float64 by the pass chosen on the device (launches sized for every window, the
-    reconstruction over each bounding cube) give the sums the pass chosen on the host gives."""
+def test_a_spheres_settling_pass_on_the_device_adds_its_spheres_as_the_hosts_does(kernels, monkeypatch):
+    """Spheres redone in float64 by the pass chosen on the device (launches sized for every window, on the
+    padded series) give the sums the pass chosen on the host gives."""
     from mppca_nipype.engine.gpu import pipeline, plan as plan_module, threshold
 
     monkeypatch.setattr(threshold, "TRIDIAGONAL_SETTLE_SLACK", 3e3)  # wide: some windows, not all, redone

@@ -375,8 +375,9 @@ def check_noise_maps(runs, noise_dir):
 
 
 def check_patch_shape(runs, args):
-    """With ``--shape sphere``: every run's sphere (of its own grid and volumes) fits its image and holds its
-    volumes (``engine.resolve_options``), so that such a run is refused in one sentence before any runs.
+    """With ``--shape sphere``: every run's sphere (of its own extent rule and volumes) fits its image and its
+    stride's grid of centres leaves no voxel outside every sphere (``engine.resolve_options``), so that such a
+    run is refused in one sentence before any runs.
     Multi-echo runs, whose patches hold the echoes' contrasts, and the 2T volumes of a pair's ``mppca`` phase
     pass are checked by their node when it runs."""
     from ..engine import resolve_options

@@ -284,9 +284,10 @@ def add_denoising_options(parser, *, stride=None, stride_unset=False, groups=Fal
                              f"fewer patches and faster (default: {stride})")
     parser.add_argument("--shape", choices=PATCH_SHAPES, default=DEFAULTS["shape"],
                         help="the patch: cuboid, the whole extent; sphere, the voxels within distance r of the "
-                             "centre, r the smallest radius holding as many voxels as the extent's cuboid, on "
-                             "the grid of its bounding cube of side 2r+1, which must fit the image "
-                             "(docs/options.md) (default: %(default)s)")
+                             "centre, r the smallest radius holding as many voxels as the extent's cuboid, "
+                             "centred on the stride's grid over the whole image and clipped at its edges; its "
+                             "bounding cube of side 2r+1 must fit the image (docs/options.md) "
+                             "(default: %(default)s)")
     parser.add_argument("--estimator", choices=ESTIMATORS, default=DEFAULTS["estimator"],
                         help="Marchenko-Pastur noise estimator: exp2 (Cordero-Grande 2019, dwidenoise's "
                              "default), exp1 (Veraart 2016), med (the median noise eigenvalue, Gavish & Donoho "

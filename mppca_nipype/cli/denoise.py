@@ -165,7 +165,7 @@ def main(argv=None):
             parser.error("--noise-only needs IN and --noise SIGMA, the noise map to write")
         if args.device == "cuda":
             parser.error("--noise-only runs on the CPU; leave out --device cuda")
-        args.output, args.stride = args.noise, NOISE_STRIDE if args.stride is None else args.stride
+        args.output = args.noise  # (a stride not given: ``engine.noise_stride``)
         with warnings_as_lines(PROG), user_errors(PROG):
             noise_only.run(args, parser, prog=PROG)
         return

@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 
 from .. import io
-from ..engine import NOISE_STRIDE, MPPCAInputError, MPPCAWarning, estimate_noise, resolve_options
+from ..engine import NOISE_STRIDE, MPPCAInputError, MPPCAWarning, estimate_noise, noise_stride, resolve_options
 from ..phases import Phases, process_age
 from .common import (ArgumentParser, ProgressBar, add_denoising_options, add_run_options, add_version_option,
                      check_destinations, inside_voxels, open_input, say, user_errors, warnings_as_lines,
@@ -39,7 +39,8 @@ eigenvalues are computed, on a coarser grid of patches. IN is a NIfTI series
 EPILOG = f"""\
 With the options of an mppca-denoise run, stride included, the map is that
 run's noise map, bit for bit. The default stride here is {NOISE_STRIDE} (capped at the
-extent: patches side by side), chosen by measurement (docs/benchmarks.md,
+extent: patches side by side; for spheres at the largest stride whose spheres
+cover the image), chosen by measurement (docs/benchmarks.md,
 "The noise map alone"). The map can be given to a later run:
 mppca-denoise IN OUT --noise-in SIGMA.
 
@@ -59,7 +60,7 @@ def build_parser() -> ArgumentParser:
                              "outside; patches may still read voxels outside it)")
     parser.add_argument("--rank", metavar="FILE",
                         help="also write the 3D map of the number of signal components found")
-    add_denoising_options(parser, stride=NOISE_STRIDE)
+    add_denoising_options(parser, stride=NOISE_STRIDE, stride_unset=True)
     add_run_options(parser, work="estimate")
     add_version_option(parser)
     return parser
@@ -81,7 +82,8 @@ def run(args, parser, prog: str = PROG) -> None:
     phases = Phases(start_up=process_age())
     with phases("checks"):
         image, shape, mask = open_input(args)  # shapes only: no voxel of the series is read yet
-        options = dict(extent=args.extent, stride=args.stride, shape=args.shape, estimator=args.estimator,
+        stride = noise_stride(shape, extent=args.extent, shape=args.shape) if args.stride is None else args.stride
+        options = dict(extent=args.extent, stride=stride, shape=args.shape, estimator=args.estimator,
                        aggregation=args.aggregation, demean=args.demean)
         try:
             with warnings.catch_warnings():

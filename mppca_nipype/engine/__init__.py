@@ -27,13 +27,14 @@ from .groups import GROUP_DEMEANING, denoise_by_groups, shell_labels
 from .noise_floor import NOISE_FLOORS, check_noise_floor, denoise_magnitude
 from .layout import as_float32, empty_like_series, in_parts, is_volume_major, planes_of_rows
 from .maps import MAPS, removed_variance, resolve_maps
-from .patches import (FEW_SAMPLES, PATCH_SHAPES, PatchPlan, plan_patches, resolve_extent, resolve_sphere,
-                      sphere_size)
+from .patches import (FEW_SAMPLES, PATCH_SHAPES, PatchPlan, check_sphere_stride, largest_sphere_stride,
+                      plan_patches, resolve_extent, resolve_sphere)
 
 __all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "DenoiseOptions", "MPPCAInputError",
            "MPPCAWarning", "GPUOutOfMemoryError", "MIN_VOLUMES", "DEFAULTS", "NOISE_STRIDE", "available_cpus",
            "check_device", "choose_device", "resolve_gpu_memory", "resolve_noise", "resolve_options",
-           "GPU_MEMORY_VARIABLE", "NOISE_FLOORS", "GROUP_DEMEANING", "shell_labels", "MAPS", "PATCH_SHAPES"]
+           "GPU_MEMORY_VARIABLE", "NOISE_FLOORS", "GROUP_DEMEANING", "shell_labels", "MAPS", "PATCH_SHAPES",
+           "noise_stride"]
 
 #: MP-PCA needs at least two usable components to tell signal from noise; removing the voxel means costs
 #: one, so three volumes is the floor.
@@ -98,8 +99,8 @@ def resolve_options(data_shape, /, *, extent, stride, estimator, aggregation, de
     """Check every option against the data's shape; raise MPPCAInputError with one sentence if wrong.
 
     ``shape``, the patch shape: for a sphere the resolved extent is its bounding cube
-    (``patches.resolve_sphere``), which must fit the image, and the sphere must hold at least T voxels (its
-    bounding cube's voxels are projected on the patch's components in time, ``patches``).
+    (``patches.resolve_sphere``), which must fit the image, and the stride's grid of centres must leave no
+    voxel farther than the radius from every centre (``patches.check_sphere_stride``).
 
     ``noise`` and ``mask`` as ``denoise`` takes them (``resolve_noise``). ``removed_means``: the means per
     voxel taken out of the series before it came here (the group contrasts of ``groups.denoise_by_groups``).
@@ -118,12 +119,9 @@ def resolve_options(data_shape, /, *, extent, stride, estimator, aggregation, de
         extent = resolve_extent(extent, data_shape[:3], n_volumes)
         if shape == "sphere":
             extent = resolve_sphere(extent, data_shape[:3])
+            check_sphere_stride(data_shape[:3], extent[0] // 2, stride)
     except ValueError as err:
         raise MPPCAInputError(str(err)) from None
-    if shape == "sphere" and sphere_size(extent[0] // 2) < n_volumes:
-        raise MPPCAInputError(
-            f"shape 'sphere' needs at least as many voxels in a patch as volumes, and the sphere of radius "
-            f"{extent[0] // 2} holds {sphere_size(extent[0] // 2)} for {n_volumes} volumes; give a larger extent")
     return DenoiseOptions(extent, int(stride), estimator, aggregation, demean, filter,
                           noise_variance=resolve_noise(noise, data_shape[:3], mask), removed_means=int(removed_means),
                           shape=shape)
@@ -339,10 +337,11 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         plus one flush against each far edge.
     shape : {"cuboid", "sphere"}
         The patch: the cuboid of ``extent``, or the smallest sphere (the voxels within Euclidean distance r
-        of the centre) holding at least as many voxels as that cuboid (``patches.sphere_radius``), placed on
-        the grid as its bounding cube of side 2r + 1 is, which must fit the image. The sphere's voxels give the
-        signal components; every voxel of its bounding cube is projected on them (docs/options.md, "Patch
-        shape").
+        of the centre) holding at least as many voxels as that cuboid (``patches.sphere_radius``), whose
+        bounding cube of side 2r + 1 must fit the image. Spheres are centred on every voxel (stride 1) or on
+        the grid 0, s, 2s, ... and the last voxel of each axis, which must leave no voxel farther than r from
+        every centre, and clipped at the image's edges; each reconstructs only its own voxels
+        (docs/options.md, "Patch shape").
     estimator : {"exp2", "exp1", "med", "olesen2023"}
         Marchenko-Pastur noise estimator (see ``estimators.marchenko_pastur_threshold``; docs/options.md,
         "Estimators").
@@ -524,7 +523,22 @@ class NoiseResult:
     info: dict = field(default_factory=dict)
 
 
-def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=NOISE_STRIDE,
+def noise_stride(data_shape, *, extent=DEFAULTS["extent"], shape=DEFAULTS["shape"]) -> int:
+    """``estimate_noise``'s grid step where none is given: NOISE_STRIDE, for spheres at most the largest step
+    whose grid leaves no voxel outside every sphere (``patches.largest_sphere_stride``), as a cuboid's step is
+    capped at its extent by the layout. ``data_shape``: (X, Y, Z, T)."""
+    if shape != "sphere":
+        return NOISE_STRIDE
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MPPCAWarning)  # (``resolve_options`` gives them)
+            cube = resolve_sphere(resolve_extent(extent, data_shape[:3], data_shape[3]), data_shape[:3])
+    except ValueError:  # (refused by ``resolve_options``, in its own sentence)
+        return NOISE_STRIDE
+    return largest_sphere_stride(data_shape[:3], cube[0] // 2, NOISE_STRIDE)
+
+
+def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=None,
                    estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
                    demean=DEFAULTS["demean"], shape=DEFAULTS["shape"], nprocs=None, progress=None) -> NoiseResult:
     """The MP-PCA noise map of a 4D series, without denoising it.
@@ -538,10 +552,11 @@ def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=NOISE_S
     ----------
     data, mask, extent, shape, estimator, aggregation, demean, nprocs, progress
         As for ``denoise``.
-    stride : int
-        The grid step, as for ``denoise``; default NOISE_STRIDE: patches on a coarser grid than
-        ``denoise``'s, each voxel's sigma the weighted mean of the patches covering it (the step is capped at
-        the extent, so every voxel is covered) (docs/benchmarks.md, "The noise map alone").
+    stride : int, optional
+        The grid step, as for ``denoise``; default ``noise_stride``: NOISE_STRIDE, patches on a coarser grid
+        than ``denoise``'s, each voxel's sigma the weighted mean of the patches covering it (the step is capped
+        at the extent, for spheres at the largest step whose spheres cover the image, so every voxel is
+        covered) (docs/benchmarks.md, "The noise map alone").
 
     Returns
     -------
@@ -560,6 +575,8 @@ def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=NOISE_S
         seconds[phase], last = round(now - last, 4), now
 
     data, mask = check_data(data, mask)
+    if stride is None:
+        stride = noise_stride(data.shape, extent=extent, shape=shape)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
                               aggregation=aggregation, demean=demean, shape=shape)
     check_nprocs(nprocs)

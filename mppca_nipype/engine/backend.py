@@ -80,6 +80,25 @@ class PatchSums:
     #: With ``DenoiseOptions.lambda_plus``: the sums of each patch's lambda_+ (X*Y*Z,), weighted as ``sigma``.
     lambda_plus: np.ndarray | None = None
 
+    def cropped(self, padded_shape, padding: int) -> PatchSums:
+        """The sums of the image inside ``padding`` voxels on each side of the (X, Y, Z) ``padded_shape``
+        grid they were added on (``patches.PatchPlan.padding``): the padding's rows dropped, copied in the
+        image's order; itself where ``padding`` is 0."""
+        if not padding:
+            return self
+        inside = (slice(padding, -padding),) * 3
+
+        def crop(values):
+            if values is None:
+                return None
+            if values.ndim == 4:  # a normalized series in the caller's order: cropped in that order
+                return np.array(values[inside], order="K")
+            grid = values.reshape(tuple(padded_shape) + values.shape[1:])[inside]
+            return np.ascontiguousarray(grid).reshape((-1,) + values.shape[1:])
+
+        return PatchSums(crop(self.image), crop(self.weight), crop(self.sigma), crop(self.rank), self.info,
+                         self.normalized, crop(self.lambda_plus))
+
 
 @dataclass(frozen=True)
 class GPUMemory:

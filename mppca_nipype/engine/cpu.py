@@ -46,7 +46,7 @@ from .backend import PatchSums, available_cpus
 from .errors import MPPCAWarning
 from .estimators import (aggregation_weights, component_weights, given_noise_threshold,
                          marchenko_pastur_edge, marchenko_pastur_threshold)
-from .layout import is_volume_major, rows_of_planes
+from .layout import is_volume_major, padded_series, rows_of_planes
 
 #: Memory one batch may use for its patch matrices (float64), per process. Small enough that NumPy's
 #: temporaries come back from the allocator's heap instead of fresh pages from the kernel (48 MB batches took
@@ -154,23 +154,18 @@ class WindowFit:
         m = self.eigenvectors.shape[-1]
         return np.arange(m)[None, :] >= (m - self.rank[windows])[:, None]
 
-    def reconstruct(self, patches=None, means=None):
+    def reconstruct(self):
         """X_hat = ((X V_P) diag(w)) V_P^T (time side) or U_P (diag(w) (U_P^T X)) (voxel side), plus the means:
         (B, n, T); w = 1 for ``hard``.
 
         V_P: the batch's largest rank of leading eigenvectors, which are 0 beyond each window's own rank, so
         that the two thin products give each window its projection (an m x m projector V_P V_P^T would cost
-        m / P times as much to form and to apply).
-
-        ``patches`` and ``means`` (time side only): other centred rows (B, k, T) to project on the windows'
-        components, and their means, in place of the patches' own (a sphere's bounding cube, ``served_windows``)."""
-        if patches is None:
-            patches, means = self.patches, self.means
+        m / P times as much to form and to apply)."""
         m = self.eigenvectors.shape[-1]
         kept = int(self.rank.max(initial=0))
         leading = self.eigenvectors[:, :, m - kept:]  # (B, m, P)
-        coefficients = np.matmul(patches, leading) if self.time_side else np.matmul(
-            leading.transpose(0, 2, 1), patches)
+        coefficients = np.matmul(self.patches, leading) if self.time_side else np.matmul(
+            leading.transpose(0, 2, 1), self.patches)
         if self.weights is not None:  # scaled on the P components' side: (B, n, P) or (B, P, T)
             w = self.weights[:, m - kept:]
             coefficients *= w[:, None, :] if self.time_side else w[:, :, None]
@@ -178,20 +173,15 @@ class WindowFit:
             restored = np.matmul(coefficients, leading.transpose(0, 2, 1))
         else:
             restored = np.matmul(leading, coefficients)
-        if means is not None:
-            restored += means
+        if self.means is not None:
+            restored += self.means
         return restored
 
-    def reconstruct_rows(self, window, position, rows=None, row_means=None):
+    def reconstruct_rows(self, window, position):
         """Row ``position`` of window ``window``'s X_hat, for arrays of pairs: (V, T). Cheaper than
-        ``reconstruct`` when only each patch's centre row is wanted. ``rows`` and ``row_means`` (time side
-        only): centred rows (V, T) to project instead, and their means (a sphere's centres, ``centre_rows``)."""
+        ``reconstruct`` when only each patch's centre row is wanted."""
         vectors = self.eigenvectors[window]
         keep = self.signal_components(window)
-        if rows is not None:
-            coefficients = np.matmul(rows[:, None, :], vectors)[:, 0] * keep
-            restored = np.matmul(vectors, coefficients[:, :, None])[:, :, 0]
-            return restored if row_means is None else restored + row_means
         if self.time_side:  # x V_P diag(w) V_P^T: coefficients on the kept components, then back
             row = self.patches[window, position]
             coefficients = np.matmul(row[:, None, :], vectors)[:, 0] * keep
@@ -347,44 +337,6 @@ def given_noise_variance(noise_variance, voxels, took_part) -> np.ndarray:
     return np.where(counted, values, 0.0).sum(axis=1) / np.maximum(counted.sum(axis=1), 1)
 
 
-def served_windows(fit, volume, finite, plan, options, windows):
-    """What windows ``windows`` (a slice or sorted indices) of ``fit`` add to the sums: (X_hat (B, k, T), the
-    flat voxels (B, k), the voxels that took part (B, k)). A cuboid's patch itself; a sphere's whole bounding
-    cube (``plan.served_offsets``), each of its rows centred as the patch's were (its own mean over time, or
-    the patch's mean time course) and projected on the patch's components (``patches``)."""
-    if not plan.sphere:
-        return fit.reconstruct(), fit.voxels, fit.took_part
-    voxels = plan.window_base(windows)[:, None] + plan.served_offsets[None, :]
-    rows = volume[voxels].astype(fit.patches.dtype, copy=False)
-    means = own_means(rows, fit.means, options)
-    if means is not None:
-        rows -= means
-    return fit.reconstruct(rows, means), voxels, finite[voxels]
-
-
-def centre_rows(fit, volume, plan, options, window, position, voxel):
-    """``center`` aggregation: each centre voxel's denoised row (V, T) from its own window of ``fit``
-    (``window``, ``position`` inside it, ``voxel`` its flat index). A sphere's centre near an edge may lie
-    outside its sphere: every centre then takes the projection of its own row, as ``served_windows`` does
-    (for a voxel of the patch, the same row)."""
-    if not plan.sphere:
-        return fit.reconstruct_rows(window, position)
-    rows = volume[voxel].astype(fit.patches.dtype)
-    means = own_means(rows[:, None, :], None if fit.means is None else fit.means[window], options)
-    if means is not None:
-        means = means[:, 0]
-        rows -= means
-    return fit.reconstruct_rows(window, position, rows, means)
-
-
-def own_means(rows, patch_means, options):
-    """The means a window's patch removed, for other rows (B, k, T) read around it: each row's own mean over
-    time (``voxel``), the patch's mean time course ``patch_means`` (B, 1, T) (``volume``), or None."""
-    if options.demean == "voxel":
-        return rows.mean(axis=2, keepdims=True, dtype=np.float64).astype(rows.dtype, copy=False)
-    return patch_means
-
-
 class PlaneTurns:
     """The order in which units add into each x-plane of the sums: unit order, whichever process runs them.
 
@@ -428,9 +380,9 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: 
             a, b = np.searchsorted(plan.centre_window, [start, stop])
             fit = fit_windows(volume, finite, plan, options, slice(start, stop), clock, dtype)
             window = plan.centre_window[a:b] - start
-            voxel = plan.centre_voxel[a:b]
-            rows = centre_rows(fit, volume, plan, options, window, plan.centre_position[a:b], voxel)
+            rows = fit.reconstruct_rows(window, plan.centre_position[a:b])
             clock.lap("reconstruction")
+            voxel = plan.centre_voxel[a:b]
             sums.image[voxel] = rows
             sums.weight[voxel] = 1.0
             sums.sigma[voxel] = np.sqrt(fit.sigma2[window])
@@ -475,35 +427,36 @@ def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pen
     for start in range(unit.start, unit.stop, step):
         stop = min(start + step, unit.stop)
         fit = fit_windows(volume, finite, plan, options, slice(start, stop), clock, dtype)
-        restored, voxels, took_part = served_windows(fit, volume, finite, plan, options, slice(start, stop))
-        voxel_weight = window_voxel_weights(fit, options, plan, start, stop, took_part)
+        restored = fit.reconstruct()
+        voxel_weight = window_voxel_weights(fit, options, plan, start, stop)
         restored *= voxel_weight[:, :, None]
+        if plan.sphere:  # a sphere's rows in its bounding cube, zeros elsewhere
+            cube = np.zeros((len(restored), ex * ey * ez, n_volumes), dtype=restored.dtype)
+            cube[:, plan.patch_in_window] = restored
+            restored = cube
         clock.lap("reconstruction")
-        # each window adds its block (a cuboid, or a sphere's bounding cube) into the slab: one slice per
-        # window, windows in plan order
+        # each window adds its block into the slab: one slice per window, windows in plan order
         block = (ex, ey, ez, n_volumes)
         for b, (_, y0, z0) in enumerate(plan.window_corner[start:stop]):
             slab[:, y0:y0 + ey, z0:z0 + ez] += restored[b].reshape(block)
-        add_window_maps(maps, fit, voxel_weight, slab_start, voxels)
+        add_window_maps(maps, fit, voxel_weight, slab_start)
         clock.lap("accumulation")
 
     deposit(unit, plan, sums, (image,) + maps, turns, clock, pending)
 
 
-def window_voxel_weights(windows, options, plan, start, stop, took_part=None):
+def window_voxel_weights(windows, options, plan, start, stop):
     """(B, n): each voxel's weight in the aggregation of windows ``start:stop`` (``WindowFit`` or
-    ``WindowSpectra``): the window's aggregation weight times its multiplicity; voxels left out get none.
-    ``took_part``: (B, k) of the voxels served (``served_windows``) where not the patches' own."""
+    ``WindowSpectra``): the window's aggregation weight times its multiplicity; voxels left out get none."""
     w = aggregation_weights(windows.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[start:stop]
-    return w[:, None] * (windows.took_part if took_part is None else took_part)
+    return w[:, None] * windows.took_part
 
 
-def add_window_maps(maps, windows, voxel_weight, slab_start, voxels=None):
+def add_window_maps(maps, windows, voxel_weight, slab_start):
     """Add the windows' weighted sums of weight, noise (sigma) and rank, and of lambda_+ when ``maps`` has a
-    fourth, into a slab's ``maps`` (flat arrays over the slab's voxels, from row ``slab_start``), at the
-    windows' voxels or at ``voxels`` (B, k) (``served_windows``)."""
+    fourth, into a slab's ``maps`` (flat arrays over the slab's voxels, from row ``slab_start``)."""
     weight, sigma, rank, *lambda_plus = maps
-    flat = ((windows.voxels if voxels is None else voxels) - slab_start).ravel()
+    flat = (windows.voxels - slab_start).ravel()
     weight += np.bincount(flat, voxel_weight.ravel(), len(weight))
     sigma += np.bincount(flat, (voxel_weight * np.sqrt(windows.sigma2)[:, None]).ravel(), len(sigma))
     rank += np.bincount(flat, (voxel_weight * windows.rank[:, None]).ravel(), len(rank))
@@ -706,6 +659,7 @@ def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, 
     started = time.perf_counter()
     profile = PROFILE
     clock = PhaseClock() if profile else NO_CLOCK
+    data, finite = padded_series(data, finite, plan.padding)  # (spheres: the plan's grid is padded)
     n_voxels = int(np.prod(data.shape[:3]))
     n_volumes = data.shape[3]
     finite_flat = finite.reshape(n_voxels)
@@ -769,6 +723,7 @@ def run_units(work, data, finite, plan, options, *, nprocs=None, progress=None, 
                     shm.unlink()
             clock.lap("pool stop")
 
+    sums = sums.cropped(plan.spatial_shape, plan.padding)
     seconds = time.perf_counter() - started
     sums.info = dict(backend="cpu", device="cpu", nprocs=nprocs, seconds_engine=seconds)
     if profile:

@@ -44,12 +44,8 @@ def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK)
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
             spectra = settled_spectra(volume, finite, plan, options, slice(start, stop), clock, dtype)
-            voxels = took_part = None
-            if plan.sphere:  # a sphere's noise and rank go to its whole bounding cube, as ``denoise`` sends them
-                voxels = plan.window_base(slice(start, stop))[:, None] + plan.served_offsets[None, :]
-                took_part = finite[voxels]
-            voxel_weight = window_voxel_weights(spectra, options, plan, start, stop, took_part)
-            add_window_maps((weight, sigma, rank), spectra, voxel_weight, slab_start, voxels)
+            voxel_weight = window_voxel_weights(spectra, options, plan, start, stop)
+            add_window_maps((weight, sigma, rank), spectra, voxel_weight, slab_start)
         deposit(unit, plan, sums, (None, weight, sigma, rank), turns, clock, pending)
 
 

@@ -13,12 +13,14 @@ Two layouts, as DESIGN.md fixes them:
   than the stride, the step is the extent (a larger one would leave gaps between windows).
 
 Two patch shapes (``PATCH_SHAPES``): ``cuboid``, the whole window; ``sphere``, the voxels within Euclidean
-distance r of the window's centre voxel, in a window (its bounding cube) of side 2r + 1 laid out as a cuboid's
-(``sphere_radius`` gives r). A sphere's voxels (``voxel_offsets``) make the patch matrix: its Gram, eigenvalues,
-noise level and signal components. Every voxel of its bounding cube (``served_offsets``) is then projected on
-those components and aggregated: no sphere inside the image reaches an image corner (nor, on a coarse grid,
-every voxel between spheres), while bounding cubes cover the image as cuboids do. For a sphere's own voxels the
-projection is their row of the patch's reconstruction, X V_P V_P^T.
+distance r of the window's centre voxel (``sphere_radius`` gives r), in a window (its bounding cube) of side
+2r + 1. Spheres are centred on the image's own voxels, on the stride grid over the whole image (0, s, 2s, ...
+and the last voxel of each axis; every voxel with stride 1), and clipped at its edges: the plan lays them out
+on the image padded by r voxels on each side (``PatchPlan.padding``), where each window is a cuboid's of side
+2r + 1 with its centre in the image, and the padding is wanted by no patch and takes part in none, as voxels
+that are not finite take part in none. A sphere's voxels that took part make its patch matrix and are the
+only voxels it reconstructs. The grid's step must leave no voxel farther than r from every centre
+(``sphere_grid_gap``).
 
 Both backends compute each *distinct* window once; a window's multiplicity (how many centre voxels chose
 it) becomes a factor on its aggregation weight, which makes the result identical to computing every
@@ -95,6 +97,42 @@ def resolve_sphere(extent, spatial_shape) -> tuple[int, int, int]:
     return (side,) * 3
 
 
+def sphere_centres(size: int, stride: int) -> np.ndarray:
+    """Sphere centres along one axis of ``size`` voxels: 0, s, 2s, ... and the last voxel."""
+    centres = np.arange(0, size, stride)
+    return centres if centres[-1] == size - 1 else np.append(centres, size - 1)
+
+
+def sphere_grid_gap(spatial_shape, stride: int) -> float:
+    """The largest Euclidean distance from a voxel of the image to the nearest sphere centre of the grid of
+    ``stride`` (``sphere_centres``): per axis the farthest voxel from its nearest centre, combined over the
+    three axes (the grid is separable)."""
+    squares = 0
+    for size in spatial_shape:
+        centres = sphere_centres(int(size), int(stride))
+        voxels = np.arange(int(size))
+        squares += int(np.abs(voxels[:, None] - centres[None, :]).min(axis=1).max()) ** 2
+    return float(np.sqrt(squares))
+
+
+def largest_sphere_stride(spatial_shape, radius: int, at_most: int) -> int:
+    """The largest stride up to ``at_most`` whose grid leaves no voxel farther than ``radius`` from every sphere
+    centre (``sphere_grid_gap``; stride 1 always does)."""
+    return max(s for s in range(1, int(at_most) + 1) if sphere_grid_gap(spatial_shape, s) <= radius)
+
+
+def check_sphere_stride(spatial_shape, radius: int, stride: int) -> None:
+    """ValueError in one sentence when the grid of ``stride`` leaves a voxel farther than ``radius`` from every
+    sphere centre (``sphere_grid_gap``), naming the largest stride that does not."""
+    gap = sphere_grid_gap(spatial_shape, stride)
+    if gap <= radius:
+        return
+    largest = largest_sphere_stride(spatial_shape, radius, stride)
+    raise ValueError(
+        f"stride {stride} leaves voxels {gap:.2f} voxels from the nearest sphere centre, farther than the "
+        f"radius {radius}; give a stride of at most {largest} or a larger extent")
+
+
 def resolve_extent(extent, spatial_shape, n_volumes: int) -> tuple[int, int, int]:
     """Turn ``extent`` (a rule of EXTENT_RULES, an odd int, or three odd ints) into three odd ints that fit
     the image.
@@ -154,20 +192,20 @@ class PatchPlan:
     Attributes
     ----------
     spatial_shape, extent, stride, shape
-        The geometry: for a sphere ``extent`` is its bounding cube.
+        The geometry: for a sphere ``extent`` is its bounding cube and ``spatial_shape`` the image's padded
+        by ``padding`` voxels on each side.
     window_corner : (W, 3) int array
         Corner voxel of each active window, in processing order (sorted by x, then y, then z).
     multiplicity : (W,) int array
         Number of centre voxels that chose this window (stride 1), else 1.
     voxel_offsets : (n,) int array
         Flat offset of each patch voxel from the window's corner voxel, x slowest (C order).
-    served_offsets : (m,) int array
-        Flat offsets of the voxels a window's reconstruction is added to: the patch's own (the same array)
-        for a cuboid, the whole bounding cube for a sphere.
     centre_voxel, centre_window, centre_position : (V,) int arrays, stride 1 only
         For every voxel that is a patch centre: its flat index, the index of its window in
-        ``window_corner``, and its position inside that window's cuboid (the bounding cube for a sphere,
-        where a centre near an edge may lie outside the sphere: it takes the projection of its own row).
+        ``window_corner``, and its position (0..n-1) inside that window's patch.
+    padding : int
+        Voxels added on each side of the image before laying out the windows: r for a sphere (its series
+        and flags padded by ``layout.padded_series``, its sums cropped by ``PatchSums.cropped``), else 0.
     """
 
     spatial_shape: tuple[int, int, int]
@@ -180,7 +218,7 @@ class PatchPlan:
     centre_window: np.ndarray | None
     centre_position: np.ndarray | None
     shape: str = "cuboid"
-    served_offsets: np.ndarray | None = None
+    padding: int = 0
 
     @property
     def sphere(self) -> bool:
@@ -193,6 +231,11 @@ class PatchPlan:
     @property
     def patch_size(self) -> int:
         return len(self.voxel_offsets)
+
+    @property
+    def patch_in_window(self) -> np.ndarray:
+        """(n,) each patch voxel's index among its window's voxels (C order): 0..n-1 for a cuboid."""
+        return patch_offsets(self.shape, self.extent, self.extent)
 
     def window_base(self, windows=slice(None)) -> np.ndarray:
         """Flat index of the corner voxel of the given windows."""
@@ -221,12 +264,12 @@ def patch_offsets(shape, extent, spatial_shape) -> np.ndarray:
 
 def plan_patches(spatial_shape, extent, stride: int, mask: np.ndarray, finite: np.ndarray,
                  shape: str = "cuboid") -> PatchPlan:
-    """Lay out the windows for ``extent``/``stride`` (for a sphere: its bounding cube) and keep those the mask
-    needs.
+    """Lay out the windows for ``extent``/``stride`` (for a sphere: its bounding cube, on the image padded by
+    its radius) and keep those the mask needs.
 
-    ``mask`` and ``finite`` are boolean (X, Y, Z) arrays: the voxels to denoise, and the voxels whose time
-    courses hold no NaN/Inf (the others take part in no patch). With ``stride == 1`` a voxel is a patch
-    centre when it is in the mask and finite; a window runs when it is some centre's window. With
+    ``mask`` and ``finite`` are boolean (X, Y, Z) arrays of the image: the voxels to denoise, and the voxels
+    whose time courses hold no NaN/Inf (the others take part in no patch). With ``stride == 1`` a voxel is a
+    patch centre when it is in the mask and finite; a window runs when it is some centre's window. With
     ``stride > 1`` a window runs when it holds at least one finite mask voxel.
     """
     spatial_shape = tuple(int(s) for s in spatial_shape)
@@ -254,10 +297,17 @@ def _plan_of(spatial_shape, extent, stride, wanted, shape="cuboid") -> PatchPlan
     """``plan_patches`` for the (X, Y, Z) bool ``wanted`` voxels."""
     if shape not in PATCH_SHAPES:
         raise ValueError(f"shape must be one of {', '.join(PATCH_SHAPES)}, not {shape!r}")
+    every_voxel = bool(wanted.all())
+    padding = 0
+    if shape == "sphere":
+        # on the image padded by r, the windows of side 2r + 1 at 0, s, ... and the flush one have their
+        # centres at the image's 0, s, ... and last voxel, and a stride-1 centre's own window is centred on it
+        padding = extent[0] // 2
+        wanted = np.pad(wanted, padding)
+        spatial_shape = tuple(s + 2 * padding for s in spatial_shape)
     positions = [window_positions(s, e, stride) for s, e in zip(spatial_shape, extent)]
     grid_shape = tuple(len(p) for p in positions)
-    served = flat_offsets(extent, spatial_shape)
-    offsets = served if shape == "cuboid" else patch_offsets(shape, extent, spatial_shape)
+    offsets = patch_offsets(shape, extent, spatial_shape)
 
     if stride == 1:
         own = [centre_window(s, e) for s, e in zip(spatial_shape, extent)]
@@ -275,6 +325,8 @@ def _plan_of(spatial_shape, extent, stride, wanted, shape="cuboid") -> PatchPlan
         # each centre's window and its position there (the corner per axis: no (V, 3) gather)
         own_window = window_number[grid_index]
         inside = ((vx - positions[0][kx]) * extent[1] + (vy - positions[1][ky])) * extent[2] + (vz - positions[2][kz])
+        if shape == "sphere":  # the window's centre voxel, the middle one of its sphere's
+            inside = np.searchsorted(patch_offsets(shape, extent, extent), inside)
         # centres sorted by window, so that a run of windows serves a contiguous run of centres
         by_window = np.argsort(own_window, kind="stable")
         return PatchPlan(
@@ -285,12 +337,13 @@ def _plan_of(spatial_shape, extent, stride, wanted, shape="cuboid") -> PatchPlan
             centre_voxel=((vx * ny + vy) * nz + vz)[by_window],
             centre_window=own_window[by_window],
             centre_position=inside[by_window],
-            shape=shape, served_offsets=served,
+            shape=shape, padding=padding,
         )
 
     # stride > 1: a window runs when it holds any wanted voxel (a box sum over an integral image; every
-    # window when every voxel is wanted, the usual case, which skips the integral image's passes)
-    if wanted.all():
+    # window when every voxel is wanted, the usual case, which skips the integral image's passes; so too
+    # for spheres, whose every window's centre is an image voxel)
+    if every_voxel:
         active = np.arange(int(np.prod(grid_shape)))
     else:
         integral = np.zeros(tuple(s + 1 for s in spatial_shape), dtype=np.int64)
@@ -310,5 +363,5 @@ def _plan_of(spatial_shape, extent, stride, wanted, shape="cuboid") -> PatchPlan
         multiplicity=np.ones(len(active), dtype=np.int64),
         voxel_offsets=offsets,
         centre_voxel=None, centre_window=None, centre_position=None,
-        shape=shape, served_offsets=served,
+        shape=shape, padding=padding,
     )

@@ -101,6 +101,10 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
                 f"cuboids of {size}")
     grid = ("centred on every voxel" if stride == 1
             else f"on a grid of step {stride} voxels (plus patches flush with the far edges)")
+    if patch_shape == "sphere" and stride != 1:
+        grid = f"centred on a grid of step {stride} voxels (and on the last voxel of each axis)"
+    if patch_shape == "sphere":
+        grid += ", clipped at the image's edges"
     demeaning = {"voxel": " after removing each voxel's temporal mean",
                  "volume": " after removing the patch's mean time course",
                  "shells": " after removing each voxel's mean over the volumes of each b-value shell",

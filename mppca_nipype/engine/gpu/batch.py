@@ -206,7 +206,7 @@ class SlabWindows:
         base = selection.base
         if selection.asked is not None:  # the places past the count hold no window: any row will do there
             base = torch.where(selection.asked, base, torch.zeros_like(base))
-        voxels = base[:, None].to(torch.int64) + run.served_offsets[None, :].to(torch.int64)
+        voxels = base[:, None].to(torch.int64) + run.voxel_offsets[None, :].to(torch.int64)
         values = torch.where(kept, patch_weight * edge, 0.0)[:, None] * self.finite[voxels]
         return voxels.reshape(-1), values.reshape(-1).to(torch.float32), False
 
@@ -297,57 +297,27 @@ class SlabWindows:
                                                    patch_weight, patch_sigma, patch_rank, *sums.tensors(),
                                                    demean=run.demean, volume_mean=volume_mean)
             else:
-                reconstruction.reconstruct_accumulate(self.volume, self.finite, selection.base, run.served_offsets,
+                reconstruction.reconstruct_accumulate(self.volume, self.finite, selection.base, run.voxel_offsets,
                                                       projector, patch_weight, patch_sigma, patch_rank,
                                                       *sums.tensors(), demean=run.demean, volume_mean=volume_mean)
         else:
-            if run.plan.sphere:
-                gathered = _served_rows(run, self.volume, self.finite, selection, gathered)
             _add_gathered(run, sums, selection, gathered, projector, patch_weight, patch_sigma, patch_rank)
-
-
-def _served_rows(run, volume, finite, selection, gathered):
-    """A sphere's gathered windows as ``_add_gathered`` takes them: in place of the patches, the rows it
-    reconstructs (``plan.served_offsets``: its bounding cube; or with ``center``, each centre's own row, as
-    the (C, 1, T) rows of C windows of one voxel), centred as the patch was (its own mean over time, or the
-    patch's mean time course), with their means, finite flags and rows; the projector (T x T) applies to any
-    row (``patches``)."""
-    patches, means, _, _ = gathered
-    if run.center:
-        rows, own_window, _ = selection.centres
-        voxels = rows[:, None]
-        means = None if means is None else means[own_window]
-    else:
-        base = selection.base
-        if selection.asked is not None:  # the places past the count hold no window: any row will do there
-            base = torch.where(selection.asked, base, torch.zeros_like(base))
-        voxels = base[:, None].to(torch.int64) + run.served_offsets[None, :].to(torch.int64)
-    served = volume[voxels].to(patches.dtype)
-    if run.demean == "voxel":
-        means = served.mean(dim=2, keepdim=True)
-    if means is not None:
-        served = served - means
-    return served, means, finite[voxels], voxels
 
 
 def _add_gathered(run, sums, selection, gathered, projector, patch_weight, patch_sigma, patch_rank):
     """The gathered path's reconstruction (torch): each patch times its projector, the means put back,
     written at the centre rows or added with the windows' weights into the sums. Every addend is made before
-    the first is added. A sphere's rows come from ``_served_rows``: with ``center``, one row a centre."""
+    the first is added."""
     patches, means, took_part, voxels = gathered
     n_volumes = patches.shape[2]
     projector = projector.to(patches.dtype)
-    if run.center and run.plan.sphere:
-        projector = projector[selection.centres[1]]  # each centre's own window's
-    time_side = run.plan.sphere or patches.shape[1] >= n_volumes  # (a sphere's: always, ``engine.resolve_options``)
-    restored = patches @ projector if time_side else projector @ patches
+    restored = patches @ projector if patches.shape[1] >= n_volumes else projector @ patches
     if means is not None:
         restored = restored + means
     if run.center:
         rows, own_window, own_position = selection.centres
         w = patch_weight[own_window]
-        own = restored[:, 0] if run.plan.sphere else restored[own_window, own_position]
-        values = (own.to(torch.float32) * w[:, None], w,
+        values = (restored[own_window, own_position].to(torch.float32) * w[:, None], w,
                   w * patch_sigma[own_window], w * patch_rank[own_window])
         for target, value in zip(sums.tensors(), values):
             target[rows] = value

@@ -36,7 +36,7 @@ import torch
 
 from ..backend import PatchSums
 from ..errors import is_out_of_memory
-from ..layout import is_volume_major, rows_of_planes
+from ..layout import is_volume_major, padded_series, rows_of_planes
 from . import boxsums, graphs
 from .batch import SlabWindows
 from .plan import DeviceMemory, GPURun, GPUSettings, box_fits, plan_slabs, run_in_batches, slab_planes
@@ -63,13 +63,15 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     ``device``: default "cuda"; "cpu" runs the same kernels under TRITON_INTERPRET=1. ``gpu_memory``
     (``backend.GPUMemory``): the budget asked for (``plan.DeviceMemory``). ``settings``: the fields of
     ``plan.GPUSettings`` (path, eigensolver, precision, max_batch, planes, normalize, settle, timeline).
-    ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process.
+    ``nprocs`` is not used: the few windows whose eigensolve fails twice are redone in this process. A plan of
+    spheres runs on the series padded by their radius (``layout.padded_series``), its sums cropped after.
 
     ``info["series_finite"]``: whether every value of ``data`` is finite, checked on the device as each slab's
     series is there and read once the run has waited for the device (``engine.denoise`` takes the series as
     finite with no host pass over it, and redoes the run the host's way where it is not).
     """
     settings = GPUSettings(**settings)
+    data, finite = padded_series(data, finite, plan.padding)  # (spheres: the plan's grid is padded)
     device = torch.device(device or "cuda")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -96,7 +98,7 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
                     planes, retries = max(1, min(planes, plan.spatial_shape[0]) // 2), retries + 1
                     continue
                 sums.info.update(slab_retries=retries, **memory.describe())
-                return sums
+                return sums.cropped(plan.spatial_shape, plan.padding)
     finally:
         if kept is not None:
             kept.lock.release()

@@ -123,8 +123,7 @@ def eigensolver_for(name, device, m, dtype):
     return BatchedEigh(device)
 
 
-def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, refine=False, lambda_plus=False,
-                      served_voxels=0):
+def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, refine=False, lambda_plus=False):
     m = min(n_voxels, n_volumes)
     size = torch.empty((), dtype=dtype).element_size()
     per_window = m * m * (2 * size + 4) + 16 * m * 8 + 4 * n_volumes + workspace_per_window
@@ -133,10 +132,8 @@ def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, r
         size = 8
     if not fused:  # gathered patches (float32 and compute precision), restored, indices
         per_window += n_voxels * n_volumes * (4 + 2 * size) + n_voxels * 16
-        if served_voxels:  # a sphere's bounding cube gathered again for its reconstruction
-            per_window += served_voxels * n_volumes * (4 + 2 * size) + served_voxels * 16
     if lambda_plus:  # its addend (``batch.SlabWindows``): a row (int64) and a value (float64, float32) per voxel
-        per_window += max(n_voxels, served_voxels) * 24
+        per_window += n_voxels * 24
     return int(per_window)
 
 
@@ -206,17 +203,16 @@ def torch_holds(device) -> tuple[int, int]:
 
 
 def batch_size(memory, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None, refine=False,
-               lambda_plus=False, served_voxels=0) -> int:
+               lambda_plus=False) -> int:
     """Windows per batch: what ``MEMORY_SHARE`` of the memory the run may still take holds (``memory``:
-    ``DeviceMemory``), at most ``MAX_BATCH``; ``lambda_plus``: the run adds each window's lambda_+ too;
-    ``served_voxels``: a sphere's bounding cube, reconstructed apart from its patch."""
+    ``DeviceMemory``), at most ``MAX_BATCH``; ``lambda_plus``: the run adds each window's lambda_+ too."""
     cap = min(max_batch or MAX_BATCH, max(n_windows, 1))
     free = memory.free()
     if math.isinf(free):
         return cap
     probe = 256
     workspace = solver.workspace_bytes(probe, min(n_voxels, n_volumes), dtype) / probe
-    per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine, lambda_plus, served_voxels)
+    per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine, lambda_plus)
     return int(max(1, min(cap, MEMORY_SHARE * max(free, 0) // per_window)))
 
 
@@ -330,9 +326,6 @@ class GPURun:
                              else threshold.SETTLE_SLACK)
         self.window_base = plan.window_base()
         self.voxel_offsets = to_device(plan.voxel_offsets.astype(np.int32), device)
-        # the voxels each window's reconstruction is added to: the patch's own, or a sphere's bounding cube
-        self.served_offsets = (to_device(plan.served_offsets.astype(np.int32), device) if plan.sphere
-                               else self.voxel_offsets)
         # a given noise level on the device: sigma^2, one number (one element) or a map of the series' rows
         self.noise_map = np.ndim(options.noise_variance) > 0
         self.noise_variance = (None if options.noise_variance is None
@@ -384,8 +377,7 @@ class GPURun:
         """``batch_size`` for this run's patch and solver (default: the first pass's precision and paths)."""
         return batch_size(self.memory, n_windows, self.plan.patch_size, n_volumes, dtype or self.dtype,
                           self.fused if fused is None else fused, self.solver, self.max_batch,
-                          self.refine if refine is None else refine, self.options.lambda_plus,
-                          len(self.plan.served_offsets) if self.plan.sphere else 0)
+                          self.refine if refine is None else refine, self.options.lambda_plus)
 
     @property
     def gram_path(self):

@@ -274,25 +274,24 @@ def cpu_contributions(data, finite, plan, options, windows):
     """What the windows whose eigensolve failed on the device give, computed by the CPU backend's functions:
     ``(rows, (image, weight, sigma, rank[, lambda_plus]), replace)``: values to add into those rows, or for
     centre aggregation to write there (``replace``); lambda_plus where the options ask for it."""
-    from ..cpu import centre_rows, fit_windows, served_windows
+    from ..cpu import fit_windows
 
     n_volumes = data.shape[3]
-    volume, finite = voxel_rows(data), finite.reshape(-1)
-    fit = fit_windows(volume, finite, plan, options, windows)
+    fit = fit_windows(voxel_rows(data), finite.reshape(-1), plan, options, windows)
+    restored = fit.reconstruct()
     if options.aggregation == "center":
         centres = np.flatnonzero(np.isin(plan.centre_window, windows))
         own = np.searchsorted(windows, plan.centre_window[centres])
         rows = plan.centre_voxel[centres]
-        values = (centre_rows(fit, volume, plan, options, own, plan.centre_position[centres], rows), np.ones(len(rows)),
+        values = (restored[own, plan.centre_position[centres]], np.ones(len(rows)),
                   np.sqrt(fit.sigma2[own]), fit.rank[own])
         if fit.lambda_plus is not None:
             values += (fit.lambda_plus[own],)
         return rows, values, True
-    restored, voxels, took_part = served_windows(fit, volume, finite, plan, options, windows)
     w = aggregation_weights(fit.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[windows]
-    voxel_weight = w[:, None] * took_part
+    voxel_weight = w[:, None] * fit.took_part
     values = ((restored * voxel_weight[:, :, None]).reshape(-1, n_volumes), voxel_weight.ravel(),
               (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), (voxel_weight * fit.rank[:, None]).ravel())
     if fit.lambda_plus is not None:
         values += ((voxel_weight * fit.lambda_plus[:, None]).ravel(),)
-    return voxels.ravel(), values, False
+    return fit.voxels.ravel(), values, False
