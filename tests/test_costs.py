@@ -24,9 +24,11 @@ def test_window_count_is_the_plans_on_a_full_mask(shape, extent, stride):
 def test_the_seeds_problem_runs_on_16_cpus_and_long_series_on_the_gpu(monkeypatch):
     monkeypatch.setattr(costs, "gpu_started", lambda: False)
     seed = costs.estimate((96, 96, 48), 48, (11, 11, 11), 3, nprocs=16)
-    assert seed.device == "cpu" and 2.0 < seed.cpu_seconds < seed.gpu_seconds  # measured: 3.4 s vs 5.7 s
+    assert seed.device == "cpu" and 1.0 < seed.cpu_seconds < seed.gpu_seconds  # measured: 2.2 s vs 3.5 s
+    # the engine alone on 16 CPUs, 1.6-2.1 s, ends before the GPU's start (~3 s)
+    assert costs.estimate((96, 96, 60), 100, (7, 7, 7), 3, nprocs=16).device == "cpu"
     long_series = costs.estimate((96, 96, 60), 300, (7, 7, 7), 3, nprocs=16)
-    assert long_series.device == "cuda" and long_series.gpu_seconds < long_series.cpu_seconds / 5
+    assert long_series.device == "cuda" and long_series.gpu_seconds < long_series.cpu_seconds / 3
     # on 2 CPUs the seed's problem is worth the GPU's start; with the GPU started, everything but the tiny is
     assert costs.estimate((96, 96, 48), 48, (11, 11, 11), 3, nprocs=2).device == "cuda"
     monkeypatch.setattr(costs, "gpu_started", lambda: True)

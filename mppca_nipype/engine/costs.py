@@ -4,15 +4,16 @@ A new process that runs the GPU engine first pays a fixed start (importing torch
 the kernels loaded from Triton's cache, cuSOLVER where it serves): ``GPU_START_SECONDS``, measured on the
 H200 machine (docs/benchmarks.md, "Whole commands"). After that the GPU engine runs a series 8 to 250 times
 faster than the CPU engine on 16 cores. So the GPU wins once the CPU's estimated time exceeds its start by
-enough; below that, the CPU is faster as the user times it (a 96x96x48x48 series at the seed's settings: 3.4 s
-on 16 CPU cores against 5.7 s on the GPU, start included).
+enough; below that, the CPU is faster as the user times it (a 96x96x48x48 series at the seed's settings: 2.2 s
+on 16 CPU cores against 3.5 s on the GPU, file to file, start included).
 
-The CPU's time is estimated from the work of its windows, calibrated on the same machine:
+The CPU's time is estimated from the work of its windows, fitted on the same machine by
+``benchmarks/auto_costs.py`` (docs/benchmarks.md, "The cost model behind auto"):
 
 * per window, ``CPU_SECONDS_PER_PRODUCT`` per multiply-add of its Gram and projection (n x T x m, with m the
   smaller side) and ``CPU_SECONDS_PER_EIGEN`` per m^3 of its eigensolve, plus ``CPU_SECONDS_PER_WINDOW``;
 * spread over the worker processes with the speed-up p / (1 + ``CPU_SERIAL_SHARE`` (p - 1)) that
-  ``benchmarks/cpu_scaling.py`` measured (3.9x at 16 workers);
+  the calibration's cases measured (their median: 5.9x at 16 workers);
 * plus ``CPU_START_SECONDS`` (the pool, the shared copy of the series);
 * and the GPU's, its start plus ``GPU_SECONDS_PER_CORE_SECOND`` of that one-core work.
 
@@ -36,16 +37,15 @@ GPU_RESTART_SECONDS = 0.05
 #: the defaults: ~3 s against an estimated 520 core-seconds; the seed's problem: 0.01 s against ~10).
 GPU_SECONDS_PER_CORE_SECOND = 0.01
 #: One CPU core's seconds per multiply-add of a window's Gram and projection (n x T x m, m the smaller side),
-#: per m^3 of its eigensolve, and per window (one thread). Fitted to the seed's problem (T = 48) and
-#: 96x96x60x100 at the defaults with a full batched eigensolver; the CPU's LAPACK steps (``lapack``) since
-#: take 0.6x its time at m = 48 and 100, so these overestimate the CPU somewhat, and long series (T = 300)
-#: by 5x, where the GPU wins by far anyway.
-CPU_SECONDS_PER_PRODUCT = 1.9e-10
-CPU_SECONDS_PER_EIGEN = 8.5e-10
-CPU_SECONDS_PER_WINDOW = 1.0e-4
-#: The share of a CPU run that does not spread over worker processes (Amdahl's law fitted to
-#: ``benchmarks/cpu_scaling.py`` on 16 cores: 1.51x at 2 workers, 3.9x at 16).
-CPU_SERIAL_SHARE = 0.19
+#: per m^3 of its eigensolve, and per window (one thread): fitted to six geometries from the seed's problem
+#: to 64x64x40x300 on one worker (within 6% of each; the eigensolve's share is absorbed by the products at
+#: these sizes: LAPACK's tridiagonal steps cost like a Gram here).
+CPU_SECONDS_PER_PRODUCT = 1.79e-10
+CPU_SECONDS_PER_EIGEN = 7.1e-12
+CPU_SECONDS_PER_WINDOW = 1.5e-4
+#: The share of a CPU run that does not spread over worker processes (Amdahl's law; the median of the
+#: calibration's cases at 16 workers, 5.9x).
+CPU_SERIAL_SHARE = 0.115
 #: Seconds a CPU run spends before its first window with several workers (the pool, the shared series).
 CPU_START_SECONDS = 0.3
 
