@@ -117,7 +117,8 @@ def fit(rows, workers: int) -> dict:
     terms = np.array([row["terms"] for row in rows])
     times = np.array([row["one_worker"] for row in rows])
     (product, eigen, window), _ = nnls(terms / times[:, None], np.ones(len(rows)))
-    shares = [(workers * row["workers"] / row["one_worker"] - 1) / (workers - 1) for row in rows] if workers > 1 else [0]
+    shares = ([(workers * row["workers"] / row["one_worker"] - 1) / (workers - 1) for row in rows]
+              if workers > 1 else [0])
     return dict(product=float(product), eigen=float(eigen), window=float(window), serial=float(np.median(shares)))
 
 

@@ -311,8 +311,8 @@ def _plan(data, mask, finite, options) -> PatchPlan:
 def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
             estimator=DEFAULTS["estimator"],
             aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
-            shape=DEFAULTS["shape"], noise=None, noise_floor="none", coils=1, device="auto", nprocs=None, gpu_memory=None,
-            progress=None, groups=None, bvals=None, maps=(), _removed_means=0) -> DenoiseResult:
+            shape=DEFAULTS["shape"], noise=None, noise_floor="none", coils=1, device="auto", nprocs=None,
+            gpu_memory=None, progress=None, groups=None, bvals=None, maps=(), _removed_means=0) -> DenoiseResult:
     """Denoise a 4D series, or a multi-echo 5D one, by Marchenko-Pastur PCA (MP-PCA).
 
     Each patch (a cuboid of ``extent`` voxels, or a sphere) becomes an n x T matrix; the eigenvalues of its Gram matrix
@@ -421,9 +421,9 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     maps = resolve_maps(maps)
     if demean in GROUP_DEMEANING or isinstance(data, (list, tuple)) or np.ndim(data) == 5:
         result = denoise_by_groups(data, mask, demean=demean, groups=groups, bvals=bvals, extent=extent,
-                                   stride=stride, shape=shape, estimator=estimator, aggregation=aggregation, filter=filter,
-                                   noise=noise, noise_floor=noise_floor, coils=coils, device=device, nprocs=nprocs,
-                                   gpu_memory=gpu_memory, progress=progress,
+                                   stride=stride, shape=shape, estimator=estimator, aggregation=aggregation,
+                                   filter=filter, noise=noise, noise_floor=noise_floor, coils=coils, device=device,
+                                   nprocs=nprocs, gpu_memory=gpu_memory, progress=progress,
                                    maps=tuple(name for name in maps if name != "variance_removed"))
         if "variance_removed" in maps:
             result.variance_removed = _removed_variance_of(data, mask, result.denoised)

@@ -272,12 +272,12 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
        with the level given as 1, the bias the same: docs/benchmarks.md, "The magnitude noise floor").
     4. A = sigma * theta, theta = ``inverse``(denoised x): unbiased where the denoised x is.
 
-    ``denoise_options`` (extent, stride, estimator, aggregation, demean, filter, shape) and ``run_options`` (device, nprocs,
-    gpu_memory, progress) go to every ``denoise``. Returns a ``DenoiseResult``: the signal estimate A, the
-    sigma used (0 outside the mask), the second pass's rank map, and ``info``: the second pass's, with
-    ``noise_floor``, ``coils``, ``noise`` (where sigma came from: "given" or "estimated"), ``steps_device``
-    (where the transforms and the noise level ran: "cuda", with torch where the GPU engine runs, or "cpu",
-    with NumPy) and ``seconds`` by step.
+    ``denoise_options`` (extent, stride, estimator, aggregation, demean, filter, shape) and ``run_options``
+    (device, nprocs, gpu_memory, progress) go to every ``denoise``. Returns a ``DenoiseResult``: the signal
+    estimate A, the sigma used (0 outside the mask), the second pass's rank map, and ``info``: the second
+    pass's, with ``noise_floor``, ``coils``, ``noise`` (where sigma came from: "given" or "estimated"),
+    ``steps_device`` (where the transforms and the noise level ran: "cuda", with torch where the GPU engine
+    runs, or "cpu", with NumPy) and ``seconds`` by step.
     """
     from . import _finite_voxels, check_data, count_negative, denoise, resolve_noise, steps_device
 

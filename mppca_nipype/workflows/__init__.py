@@ -228,8 +228,8 @@ def sbatch_resources(node) -> str:
 def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
                   demean=DEFAULTS["demean"], filter=DEFAULTS["filter"], use_gpu=None,  # noqa: A002
-                  num_threads=1, shape=None, patch_shape=DEFAULTS["shape"], noise_in=None, gpu_memory=None, noise_floor="none", coils=1,
-                  phase_method=None, maps=()):
+                  num_threads=1, shape=None, patch_shape=DEFAULTS["shape"], noise_in=None, gpu_memory=None,
+                  noise_floor="none", coils=1, phase_method=None, maps=()):
     """MP-PCA denoising of one 4D series.
 
     Parameters
