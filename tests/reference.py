@@ -58,6 +58,17 @@ def window_voxels(corner, extent):
     return list(itertools.product(*(range(c, c + e) for c, e in zip(corner, extent))))
 
 
+def gaussian_weight(voxel, corner, extent):
+    """The ``gaussian`` aggregation's factor for ``voxel`` of the window at ``corner``: exp(-d^2 / 2), d its
+    distance from the window's centre with each axis in units of GAUSSIAN_WIDTH times the half-extent
+    (e - 1) / 2 (1/2 for an axis of extent 1)."""
+    from mppca_nipype.engine.patches import GAUSSIAN_WIDTH
+
+    d2 = sum(((v - c - (e - 1) / 2) / (GAUSSIAN_WIDTH * max((e - 1) / 2, 0.5))) ** 2
+             for v, c, e in zip(voxel, corner, extent))
+    return math.exp(-d2 / 2)
+
+
 def reference_patches(spatial_shape, extent, stride, mask, finite):
     """The patches that run, as (corner, centre) pairs; centre is None for stride > 1.
 
@@ -289,12 +300,13 @@ def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, e
             sigma_sum[centre] = math.sqrt(sigma2)
             rank_sum[centre] = P
             continue
-        w = 1.0 / (1 + P + mean_parameters) if aggregation == "weighted" else 1.0
+        w = 1.0 / (1 + P + mean_parameters) if aggregation in ("weighted", "gaussian") else 1.0
         for row, voxel in enumerate(kept):
-            image[voxel] += w * restored[row]
-            weight[voxel] += w
-            sigma_sum[voxel] += w * math.sqrt(sigma2)
-            rank_sum[voxel] += w * P
+            v = w * (gaussian_weight(voxel, corner, extent) if aggregation == "gaussian" else 1.0)
+            image[voxel] += v * restored[row]
+            weight[voxel] += v
+            sigma_sum[voxel] += v * math.sqrt(sigma2)
+            rank_sum[voxel] += v * P
 
     denoised = np.zeros(data.shape)
     sigma = np.zeros(shape3)

@@ -27,7 +27,8 @@ from reference import denoise_reference
 ALL_COMBINATIONS = [
     (aggregation, demean, estimator, stride)
     for aggregation, demean, estimator, stride in itertools.product(
-        ["center", "weighted", "uniform"], ["none", "voxel", "volume"], ["exp1", "exp2", "med", "olesen2023"],
+        ["center", "weighted", "uniform", "gaussian"], ["none", "voxel", "volume"],
+        ["exp1", "exp2", "med", "olesen2023"],
         [1, 2, 3])
     if aggregation != "center" or stride == 1
 ]
@@ -36,7 +37,7 @@ SOME_COMBINATIONS = [
     ("weighted", "voxel", "exp2", 2), ("weighted", "none", "exp1", 3), ("uniform", "voxel", "exp1", 1),
     ("uniform", "none", "exp2", 2), ("weighted", "volume", "exp2", 2), ("center", "volume", "exp1", 1),
     ("center", "none", "med", 1), ("weighted", "volume", "med", 2), ("uniform", "voxel", "olesen2023", 1),
-    ("weighted", "none", "olesen2023", 3),
+    ("weighted", "none", "olesen2023", 3), ("gaussian", "volume", "exp2", 2), ("gaussian", "voxel", "med", 1),
 ]
 
 # name: (shape, volumes, extent, fraction of voxels in the mask or None); strides stay <= every extent
@@ -172,7 +173,7 @@ def test_the_edge_estimators_find_a_phantoms_sigma_and_rank(estimator):
     assert np.median(exp2.sigma) < 0.98 * 4.0
 
 
-@pytest.mark.parametrize("aggregation", ["center", "weighted", "uniform"])
+@pytest.mark.parametrize("aggregation", ["center", "weighted", "uniform", "gaussian"])
 def test_anisotropic_slab_extent_with_stride_one(aggregation):
     # extent 1 along z; with stride > 1 this leaves gaps (test_stride_larger_than_the_extent_...)
     data, _, _ = case_data("anisotropic", seed=2)

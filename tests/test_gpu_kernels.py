@@ -151,10 +151,12 @@ def test_volume_centring_keeps_float32_gram_exact_on_a_large_baseline(kernels):
 
 @interpreted
 @pytest.mark.parametrize("demean", ["none", "voxel", "volume"])
-@pytest.mark.parametrize("n_volumes, n_voxels, projector_dtype", [(13, 37, np.float32), (33, 40, np.float32),
-                                                                   (13, 37, np.float64)])
-def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_volumes, n_voxels, projector_dtype):
-    """(A float64 projector, a settling pass's, is read rounded to float32.)"""
+@pytest.mark.parametrize("n_volumes, n_voxels, projector_dtype, scaled", [
+    (13, 37, np.float32, False), (33, 40, np.float32, False), (13, 37, np.float64, False), (33, 40, np.float32, True)])
+def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_volumes, n_voxels, projector_dtype,
+                                                          scaled):
+    """(A float64 projector, a settling pass's, is read rounded to float32; ``scaled``: a weight per patch
+    voxel, the ``gaussian`` aggregation's.)"""
     rng = np.random.default_rng(n_volumes)
     n_rows, n_windows = 300, 9
     volume = (100 + 10 * rng.standard_normal((n_rows, n_volumes))).astype(np.float32)
@@ -166,10 +168,12 @@ def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_vol
     patch_sigma = rng.uniform(1, 5, n_windows).astype(np.float32)
     patch_rank = rng.integers(0, 5, n_windows).astype(np.float32)
     volume_mean = (100 + rng.standard_normal((n_windows, n_volumes))).astype(np.float32)
+    voxel_scale = rng.uniform(0.2, 1, n_voxels).astype(np.float32) if scaled else np.ones(n_voxels)
     outputs = as_tensors(np.zeros((n_rows, n_volumes), np.float32), *(np.zeros(n_rows, np.float32) for _ in range(3)))
     kernels.reconstruct_accumulate(*as_tensors(volume, finite, base, offsets, projector, patch_weight,
                                                patch_sigma, patch_rank), *outputs, demean=demean,
-                                   volume_mean=torch.from_numpy(volume_mean) if demean == "volume" else None)
+                                   volume_mean=torch.from_numpy(volume_mean) if demean == "volume" else None,
+                                   voxel_scale=torch.from_numpy(voxel_scale) if scaled else None)
 
     voxels = base[:, None] + offsets[None, :]
     patches = volume[voxels].astype(np.float64)
@@ -178,7 +182,7 @@ def test_reconstruct_accumulate_adds_weighted_projections(kernels, demean, n_vol
     else:
         means = centred(patches, None, demean)[1]
     restored = (patches - means) @ projector.astype(np.float64) + means
-    voxel_weight = patch_weight[:, None].astype(np.float64) * finite[voxels]
+    voxel_weight = patch_weight[:, None].astype(np.float64) * finite[voxels] * voxel_scale[None, :]
     expected = [np.zeros((n_rows, n_volumes)), np.zeros(n_rows), np.zeros(n_rows), np.zeros(n_rows)]
     np.add.at(expected[0], voxels.ravel(), (restored * voxel_weight[:, :, None]).reshape(-1, n_volumes))
     np.add.at(expected[1], voxels.ravel(), voxel_weight.ravel())
@@ -275,14 +279,16 @@ def assert_same_denoising(cpu, gpu, mask):
 
 
 @interpreted
-@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("uniform", 3), ("center", 1)])
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("uniform", 3), ("center", 1), ("gaussian", 2)])
 @pytest.mark.parametrize("demean", ["voxel", "volume", "none"])
 def test_pipeline_matches_cpu_backend(kernels, aggregation, stride, demean):
     noisy, _ = low_rank_phantom((6, 5, 5) if stride == 1 else (7, 6, 5), n_volumes=14, rank=3, sigma=5.0, seed=stride)
     cpu, gpu, mask = run_both(noisy, extent=3, stride=stride, estimator="exp2", aggregation=aggregation,
                               demean=demean)
-    # voxel demeaning on a full grid of windows takes the box sums, everything else here the fused kernels
-    assert gpu.info["gram_path"] == ("box" if demean == "voxel" and aggregation != "center" else "fused")
+    # voxel demeaning on a full grid of windows takes the box sums (their weights are uniform within a
+    # window), everything else here the fused kernels
+    assert gpu.info["gram_path"] == ("box" if demean == "voxel" and aggregation in ("weighted", "uniform")
+                                     else "fused")
     assert gpu.info["gram_precision"] == ("float64" if demean == "none" else "float32")
     assert_same_denoising(cpu, gpu, mask)
 
@@ -481,7 +487,8 @@ def test_an_error_of_the_gpu_run_over_nan_leads_to_the_host_checked_run(gpu_deno
 @pytest.mark.parametrize("path, aggregation, stride, demean, gram_path", [
     ("auto", "weighted", 2, "volume", "fused"), ("auto", "weighted", 2, "voxel", "fused"),
     ("auto", "center", 1, "none", "fused"), ("auto", "center", 1, "voxel", "fused"),
-    ("gather", "uniform", 3, "voxel", "gather"), ("gather", "center", 1, "volume", "gather")])
+    ("gather", "uniform", 3, "voxel", "gather"), ("gather", "center", 1, "volume", "gather"),
+    ("auto", "gaussian", 2, "volume", "fused"), ("gather", "gaussian", 1, "voxel", "gather")])
 def test_sphere_patches_match_cpu_backend(kernels, path, aggregation, stride, demean, gram_path):
     """Spheres of radius 2 (33 voxels, cubes of 5): the fused kernels (the box sums do not take a sphere,
     even with voxel demeaning on a full grid) and the gathered path give the CPU backend's sums, every voxel

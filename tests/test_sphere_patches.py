@@ -22,7 +22,7 @@ from mppca_nipype.engine import (NOISE_STRIDE, MPPCAInputError, denoise, estimat
 from mppca_nipype.engine.backend import PatchSums
 from mppca_nipype.engine.cpu import denoise_cpu
 from mppca_nipype.engine.errors import MPPCAWarning
-from mppca_nipype.engine.patches import plan_patches, sphere_grid_gap, sphere_radius, sphere_size
+from mppca_nipype.engine.patches import GAUSSIAN_WIDTH, plan_patches, sphere_grid_gap, sphere_radius, sphere_size
 from reference import mp_threshold
 
 
@@ -159,12 +159,15 @@ def sphere_reference(data, *, extent_voxels, stride, aggregation, demean, estima
                 image[centre], weight[centre] = restored[patch.index(centre)], 1.0
                 sigma_sum[centre], rank_sum[centre] = math.sqrt(sigma2), P
             continue
-        w = 1.0 / (1 + P + (demean != "none")) if aggregation == "weighted" else 1.0
+        w = 1.0 / (1 + P + (demean != "none")) if aggregation in ("weighted", "gaussian") else 1.0
         for voxel, row in zip(patch, restored):
-            image[voxel] += w * row
-            weight[voxel] += w
-            sigma_sum[voxel] += w * math.sqrt(sigma2)
-            rank_sum[voxel] += w * P
+            # gaussian: exp(-d^2 / 2), d the distance from the centre in units of GAUSSIAN_WIDTH radii
+            d2 = sum((v - c) ** 2 for v, c in zip(voxel, centre)) / (GAUSSIAN_WIDTH * radius) ** 2
+            v = w * (math.exp(-d2 / 2) if aggregation == "gaussian" else 1.0)
+            image[voxel] += v * row
+            weight[voxel] += v
+            sigma_sum[voxel] += v * math.sqrt(sigma2)
+            rank_sum[voxel] += v * P
     assert (weight[finite] > 0).all()  # every finite voxel lies in some sphere
     served = np.maximum(weight, 1e-300)
     return image / served[..., None], sigma_sum / served, rank_sum / served, weight
@@ -182,7 +185,8 @@ def low_rank_series(shape3=(9, 8, 7), n_volumes=12, rank=3, sigma=1.0, seed=0):
     (2, "weighted", "volume", "exp2", False), (3, "uniform", "voxel", "exp1", False),
     (1, "center", "none", "exp2", False), (1, "weighted", "volume", "exp1", False),
     (1, "center", "voxel", "exp2", False), (2, "weighted", "volume", "exp2", True),
-    (1, "center", "volume", "exp2", True)])
+    (1, "center", "volume", "exp2", True), (2, "gaussian", "volume", "exp2", True),
+    (1, "gaussian", "voxel", "olesen2023", False)])
 def test_sphere_denoising_matches_the_float64_reference(stride, aggregation, demean, estimator, nan):
     """9x8x7x12, extent 3 (27 voxels) -> spheres of radius 2 (33 voxels where whole, 11 at a corner): the CPU
     engine's series within 1e-6 rms of the reference's (relative; float32 output), ranks equal, noise as

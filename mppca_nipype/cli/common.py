@@ -295,7 +295,8 @@ def add_denoising_options(parser, *, stride=None, stride_unset=False, groups=Fal
     parser.add_argument("--aggregation", choices=AGGREGATIONS, default=DEFAULTS["aggregation"],
                         help="how overlapping patches combine: center takes each voxel from its own patch "
                              "(needs --stride 1; dwidenoise), weighted averages the covering patches with "
-                             "weight 1/(1 + rank + 1 if demeaned), uniform averages them equally "
+                             "weight 1/(1 + rank + 1 if demeaned), uniform averages them equally, gaussian "
+                             "weights as weighted times a Gaussian of the distance from the patch's centre "
                              "(default: %(default)s)")
     if groups:
         parser.add_argument("--demean", type=demean_mode, default=DEFAULTS["demean"],

@@ -345,10 +345,11 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     estimator : {"exp2", "exp1", "med", "olesen2023"}
         Marchenko-Pastur noise estimator (see ``estimators.marchenko_pastur_threshold``; docs/options.md,
         "Estimators").
-    aggregation : {"weighted", "center", "uniform"}
+    aggregation : {"weighted", "center", "uniform", "gaussian"}
         How overlapping patches combine: ``center`` takes each voxel from its own patch (needs stride 1;
         dwidenoise); ``weighted`` averages all covering patches with weight 1/(1 + P + demeaned);
-        ``uniform`` averages them equally.
+        ``uniform`` averages them equally; ``gaussian`` as ``weighted``, each voxel's weight times a Gaussian
+        of its distance from its patch's centre (``patches.GAUSSIAN_WIDTH``).
     demean : {"volume", "voxel", "none", "shells", "groups"}
         What mean to remove inside a patch before PCA (and add back after): ``volume``, the patch's mean
         time course (the mean over its voxels of each volume; DIPY's centring; costs one voxel's worth of

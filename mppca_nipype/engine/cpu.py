@@ -449,7 +449,7 @@ def window_voxel_weights(windows, options, plan, start, stop):
     """(B, n): each voxel's weight in the aggregation of windows ``start:stop`` (``WindowFit`` or
     ``WindowSpectra``): the window's aggregation weight times its multiplicity; voxels left out get none."""
     w = aggregation_weights(windows.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[start:stop]
-    return w[:, None] * windows.took_part
+    return w[:, None] * windows.took_part * plan.voxel_weights(options.aggregation)
 
 
 def add_window_maps(maps, windows, voxel_weight, slab_start):

@@ -30,7 +30,7 @@ ESTIMATORS = ("exp2", "exp1", "med", "olesen2023")
 #: The estimators that test the spread of the noise eigenvalues (lambda_{P+1} - lambda_r, MRtrix3's dwidenoise);
 #: the others test the largest noise eigenvalue against the Marchenko-Pastur upper edge of their noise level.
 SPREAD_ESTIMATORS = ("exp2", "exp1")
-AGGREGATIONS = ("center", "weighted", "uniform")
+AGGREGATIONS = ("center", "weighted", "uniform", "gaussian")
 DEMEANING = ("none", "voxel", "volume")
 FILTERS = ("hard", "optshrink", "optthresh")
 
@@ -335,7 +335,7 @@ def aggregation_weights(rank, mean_parameters: int, aggregation: str):
     """
     xp = array_namespace(rank)
     ones = xp.ones(rank.shape, dtype=xp.float64, device=rank.device)
-    if aggregation == "weighted":
+    if aggregation in ("weighted", "gaussian"):
         return ones / (1.0 + xp.astype(rank, xp.float64) + float(mean_parameters))
     return ones
 

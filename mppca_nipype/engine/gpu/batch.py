@@ -299,7 +299,8 @@ class SlabWindows:
             else:
                 reconstruction.reconstruct_accumulate(self.volume, self.finite, selection.base, run.voxel_offsets,
                                                       projector, patch_weight, patch_sigma, patch_rank,
-                                                      *sums.tensors(), demean=run.demean, volume_mean=volume_mean)
+                                                      *sums.tensors(), demean=run.demean, volume_mean=volume_mean,
+                                                      voxel_scale=run.voxel_scale)
         else:
             _add_gathered(run, sums, selection, gathered, projector, patch_weight, patch_sigma, patch_rank)
 
@@ -323,6 +324,8 @@ def _add_gathered(run, sums, selection, gathered, projector, patch_weight, patch
             target[rows] = value
         return
     voxel_weight = patch_weight[:, None] * took_part
+    if run.voxel_scale is not None:
+        voxel_weight = voxel_weight * run.voxel_scale.to(voxel_weight.dtype)
     addends = ((restored * voxel_weight[:, :, None]).reshape(-1, n_volumes).to(torch.float32),
                voxel_weight.reshape(-1), (voxel_weight * patch_sigma[:, None]).reshape(-1),
                (voxel_weight * patch_rank[:, None]).reshape(-1))

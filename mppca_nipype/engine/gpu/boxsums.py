@@ -169,7 +169,7 @@ def applies(plan, options, finite, n_volumes, dtype, fused) -> bool:
     window active, and every voxel finite (``finite``: the host's (X, Y, Z) flags). A sphere is not a
     separable box (its Gram is no product of sums along x, y and z), so it takes the fused kernels."""
     grid = [len(window_positions(s, e, plan.stride)) for s, e in zip(plan.spatial_shape, plan.extent)]
-    return (not plan.sphere and options.demean == "voxel" and options.aggregation != "center" and fused
+    return (not plan.sphere and options.demean == "voxel" and options.aggregation in ("weighted", "uniform") and fused
             and dtype == torch.float32 and n_volumes <= MAX_VOLUMES and plan.stride > 1
             and plan.n_windows == int(np.prod(grid)) and bool(np.all(finite)))
 

@@ -1,7 +1,8 @@
 """Reconstruction of windows into the per-voxel sums, read straight from the series (the fused kernels).
 
 * ``reconstruct_accumulate``: X_hat = X_c P + mean for every voxel of each window, added with the window's
-  weight into the image and weight/sigma/rank sums (``weighted`` and ``uniform`` aggregation; atomics).
+  weight into the image and weight/sigma/rank sums (``weighted``, ``uniform`` and ``gaussian`` aggregation,
+  the last with a weight per patch voxel; atomics).
 * ``reconstruct_centres``: the centre row only, written (not added) to its voxel (``center`` aggregation).
 
 Patches are read as ``gram`` reads them (``gram.patch_rows``). With voxel demeaning on a full grid of
@@ -26,10 +27,10 @@ RECONSTRUCTION_DOT = "tf32x3"
 @triton.jit
 def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxel_offsets_ptr, projector_ptr,
                                    volume_mean_ptr, patch_weight_ptr, patch_sigma_ptr, patch_rank_ptr,
-                                   image_ptr, weight_ptr, sigma_ptr, rank_ptr,
+                                   voxel_scale_ptr, image_ptr, weight_ptr, sigma_ptr, rank_ptr,
                                    n_voxels: tl.constexpr, n_volumes: tl.constexpr,
-                                   DEMEAN: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   BLOCK_T: tl.constexpr):
+                                   DEMEAN: tl.constexpr, SCALED: tl.constexpr, DOT: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     window = tl.program_id(0)
     patch_weight = tl.load(patch_weight_ptr + window)
     if patch_weight != 0:
@@ -61,6 +62,9 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
                 restored += volume_mean[None, :]
             # voxels that took no part (non-finite) receive nothing
             voxel_weight = patch_weight * tl.load(finite_ptr + row, mask=voxel_valid, other=0.0)
+            if SCALED:  # each patch voxel's own weight (``gaussian`` aggregation)
+                position = start + tl.arange(0, BLOCK_N)
+                voxel_weight *= tl.load(voxel_scale_ptr + position, mask=position < n_voxels, other=0.0)
             tl.atomic_add(image_ptr + row[:, None] * n_volumes + t[None, :], restored * voxel_weight[:, None],
                           mask=element_valid, sem="relaxed")
             tl.atomic_add(weight_ptr + row, voxel_weight, mask=voxel_valid, sem="relaxed")
@@ -69,13 +73,16 @@ def _reconstruct_accumulate_kernel(volume_ptr, finite_ptr, window_base_ptr, voxe
 
 
 def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector, patch_weight, patch_sigma,
-                           patch_rank, image, weight, sigma, rank, *, demean: str, volume_mean=None):
+                           patch_rank, image, weight, sigma, rank, *, demean: str, volume_mean=None,
+                           voxel_scale=None):
     """Add w * (X_c P + mean) of every window to ``image`` (V, T) and w, w*sigma, w*rank to the maps (V,).
 
     ``projector`` (B, T, T) float32, or float64 (rounded to float32 as it is read: a settling pass's, whose
     launch is sized for more windows than it holds); ``patch_weight``, ``patch_sigma``, ``patch_rank`` (B,)
     float32 (a window with weight 0 is skipped: a failed eigensolve is redone on the CPU). ``demean`` as for
     ``gram``; with "volume", ``volume_mean`` (B, T) is what ``gram`` returned: X_hat = (X - mu) P + mu.
+    ``voxel_scale`` (n,) float32, or None for ones: a factor on w for each voxel of a patch, by its position
+    (``PatchPlan.voxel_weights``).
     """
     check_volume(volume, finite)
     check_demean(demean)
@@ -87,11 +94,14 @@ def reconstruct_accumulate(volume, finite, window_base, voxel_offsets, projector
                          ("patch_rank", patch_rank)):
         if vector.shape != (batch,) or vector.dtype != torch.float32:
             raise ValueError(f"{name} must be ({batch},) float32")
+    if voxel_scale is not None and (voxel_scale.shape != voxel_offsets.shape or voxel_scale.dtype != torch.float32):
+        raise ValueError(f"voxel_scale must be ({voxel_offsets.numel()},) float32")
     if batch:
         _reconstruct_accumulate_kernel[(batch,)](
             volume, finite, window_base, voxel_offsets, projector.contiguous(), or_placeholder(volume_mean, volume),
-            patch_weight, patch_sigma, patch_rank, image, weight, sigma, rank, voxel_offsets.numel(), n_volumes,
-            DEMEAN=demean, DOT=RECONSTRUCTION_DOT,
+            patch_weight, patch_sigma, patch_rank, or_placeholder(voxel_scale, patch_weight), image, weight, sigma,
+            rank, voxel_offsets.numel(), n_volumes, DEMEAN=demean, SCALED=voxel_scale is not None,
+            DOT=RECONSTRUCTION_DOT,
             BLOCK_N=block_voxels(n_volumes), BLOCK_T=block_volumes(n_volumes), num_warps=4)
 
 

@@ -289,7 +289,7 @@ def cpu_contributions(data, finite, plan, options, windows):
             values += (fit.lambda_plus[own],)
         return rows, values, True
     w = aggregation_weights(fit.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[windows]
-    voxel_weight = w[:, None] * fit.took_part
+    voxel_weight = w[:, None] * fit.took_part * plan.voxel_weights(options.aggregation)
     values = ((restored * voxel_weight[:, :, None]).reshape(-1, n_volumes), voxel_weight.ravel(),
               (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), (voxel_weight * fit.rank[:, None]).ravel())
     if fit.lambda_plus is not None:
