@@ -6,13 +6,15 @@ same cores (ours timed in this process, ``dwidenoise`` as the command a user run
 measures every setting of
 
     extent in {auto, 5, 7} x stride in {1, 2, 3} x aggregation in {weighted, uniform, center (stride 1)}
-    x demean in {none, voxel, and any other mode the engine has}, estimator exp2,
+    x demean in {none, voxel, and any other mode the engine has}, estimator exp2, filter hard, cuboids,
 
 (extents that resolve to the same patch, e.g. auto = 5 for 48 volumes, are run once, under "auto") on each
-phantom, together with ``dwidenoise`` (float32, its defaults) in the same run; then the winner again with
-estimator exp1. The ranking is by RMSE to the truth inside the mask, as a ratio to ``dwidenoise``'s RMSE on
-the same phantom, geometric mean over the phantoms; "fast" means a speed-up of at least 5x over
-``dwidenoise`` on every phantom.
+phantom, together with ``dwidenoise`` (float32, its defaults) in the same run. Then the method's options
+(``METHOD_OPTIONS``: every other estimator and filter, the ``gaussian`` aggregation, spherical patches) one at a
+time from that sweep's winner, and the combination of each option's best where more than one beat it. The
+default is the best of all these rows by the rule. The ranking is by RMSE to the truth inside the mask, as a
+ratio to ``dwidenoise``'s RMSE on the same phantom, geometric mean over the phantoms; "fast" means a speed-up
+of at least 5x over ``dwidenoise`` on every phantom.
 
 Usage (from the repository root)::
 
@@ -37,7 +39,8 @@ from cpu_peers import (ENGINE_AGAINST_DWIDENOISE, Dwidenoise, NiftiPhantom, add_
                        markdown_table, percent, run_ours, runs_label, score, start_run, timed, timing_note,
                        warm_up_ours)
 import harness
-from mppca_nipype.engine.estimators import DEMEANING  # every mode the engine has (cpu_peers put it on the path)
+# every mode the engine has (cpu_peers put the repository on the path)
+from mppca_nipype.engine.estimators import DEMEANING, ESTIMATORS, FILTERS
 
 #: A setting qualifies as a default only if it is at least this many times faster than dwidenoise.
 SPEEDUP_TARGET = 5.0
@@ -45,8 +48,11 @@ EXTENTS = ("auto", 5, 7)
 STRIDES = (1, 2, 3)
 AGGREGATIONS = ("weighted", "uniform", "center")
 DEFAULT_PHANTOMS = "lowrank:5,dwi:5,dwi:20"
-#: The options that make up a "setting" (the estimator is swept separately, for the winner).
-KEYS = ("extent", "stride", "aggregation", "demean", "estimator")
+#: The options that make up a "setting".
+KEYS = ("extent", "stride", "aggregation", "demean", "estimator", "filter", "shape")
+#: The method's options tried one at a time from the first sweep's winner: option -> values other than the sweep's.
+METHOD_OPTIONS = {"estimator": tuple(e for e in ESTIMATORS if e != "exp2"), "filter": FILTERS[1:],
+                  "aggregation": ("gaussian",), "shape": ("sphere",)}
 
 
 def distinct_extents(shape, n_volumes, extents=EXTENTS):
@@ -75,7 +81,8 @@ def settings(extents, strides=STRIDES, aggregations=AGGREGATIONS, demeaning=DEME
                     continue
                 for demean in demeaning:
                     yield dict(extent=extent, stride=stride, aggregation=aggregation, demean=demean,
-                               estimator=estimator, extent_label=label, extent_resolved=list(resolved))
+                               estimator=estimator, filter="hard", shape="cuboid", extent_label=label,
+                               extent_resolved=list(resolved))
 
 
 def setting_key(setting) -> str:
@@ -121,6 +128,27 @@ def is_setting(row, options) -> bool:
             and all(str(s[k]) == str(options[k]) for k in KEYS if k != "extent"))
 
 
+def method_variants(winner) -> list[dict]:
+    """The first sweep's ``winner`` (a measured row) with one of ``METHOD_OPTIONS`` changed, each value once."""
+    base = {**winner["setting"]}
+    return [{**base, option: value} for option, values in METHOD_OPTIONS.items() for value in values]
+
+
+def best_combination(winner, method_rows) -> dict | None:
+    """The winner with each method option at the value that beat it most (rows that are fast where the winner
+    is), or None unless at least two options beat it."""
+    best = {}
+    for row in method_rows:
+        if row["fast"] < winner["fast"] or row["rmse_ratio_geomean"] >= winner["rmse_ratio_geomean"]:
+            continue
+        option = next(k for k in METHOD_OPTIONS if row["setting"][k] != winner["setting"][k])
+        if option not in best or row["rmse_ratio_geomean"] < best[option]["rmse_ratio_geomean"]:
+            best[option] = row
+    if len(best) < 2:
+        return None
+    return {**winner["setting"], **{option: row["setting"][option] for option, row in best.items()}}
+
+
 def choose(rows):
     """The fast setting with the lowest RMSE ratio, or (none fast) the lowest RMSE overall and a note."""
     fast = [r for r in rows if r["fast"]]
@@ -134,7 +162,7 @@ def choose(rows):
 # -- tables ---------------------------------------------------------------------------------------------------
 
 def summary_table(rows, phantom_names, current, winner) -> str:
-    headers = (["#", "extent", "stride", "aggregation", "demean", "estimator"]
+    headers = (["#", "extent", "stride", "aggregation", "demean", "estimator", "filter", "shape"]
                + [f"RMSE {name}" for name in phantom_names]
                + ["RMSE ÷ dwidenoise (geo. mean)", "σ rms rel. err (mean)", f"wall s {phantom_names[0]}",
                   "speed-up vs dwidenoise (min)", f"≥{SPEEDUP_TARGET:g}x", "note"])
@@ -149,7 +177,8 @@ def summary_table(rows, phantom_names, current, winner) -> str:
         if s["stride"] == 1 and s["aggregation"] == "center" and s["demean"] == "none":
             notes.append("dwidenoise mode" if str(s["extent"]) == "auto" else "")
         first = r["phantoms"][phantom_names[0]]
-        lines.append([rank, s["extent_label"], s["stride"], s["aggregation"], s["demean"], s["estimator"]]
+        lines.append([rank, s["extent_label"], s["stride"], s["aggregation"], s["demean"], s["estimator"],
+                      s["filter"], s["shape"]]
                      + [f"{r['phantoms'][name]['rmse_mask']:.3f}" for name in phantom_names]
                      + [f"{r['rmse_ratio_geomean']:.4f}", percent(r["sigma_rms_rel_mean"], signed=False),
                         f"{first['seconds']:.2f}", f"{r['speedup_min']:.2f}x", "✓" if r["fast"] else "",
@@ -169,13 +198,13 @@ def reference_table(references, phantoms) -> str:
 
 
 def phantom_detail_table(rows, name) -> str:
-    headers = ["extent", "stride", "aggregation", "demean", "estimator", "RMSE mask", "RMSE all",
+    headers = ["extent", "stride", "aggregation", "demean", "estimator", "filter", "shape", "RMSE mask", "RMSE all",
                "RMSE ÷ dwidenoise", "σ median rel. err", "σ rms rel. err", "wall s", "runs", "speed-up"]
     lines = []
     for r in sorted(rows, key=lambda r: r["phantoms"][name]["rmse_mask"]):
         s, e = r["setting"], r["phantoms"][name]
-        lines.append([s["extent_label"], s["stride"], s["aggregation"], s["demean"], s["estimator"],
-                      f"{e['rmse_mask']:.3f}", f"{e['rmse_all']:.3f}", f"{e['rmse_vs_dwidenoise']:.4f}",
+        lines.append([s["extent_label"], s["stride"], s["aggregation"], s["demean"], s["estimator"], s["filter"],
+                      s["shape"], f"{e['rmse_mask']:.3f}", f"{e['rmse_all']:.3f}", f"{e['rmse_vs_dwidenoise']:.4f}",
                       percent(e["sigma_median_rel"]), percent(e["sigma_rms_rel"], signed=False),
                       f"{e['seconds']:.2f}",
                       e["runs"], f"{e['speedup_vs_dwidenoise']:.2f}x"])
@@ -187,34 +216,35 @@ def describe(setting) -> str:
 
 
 def recommendation(report) -> str:
-    winner = report["winner"]
-    exp1 = report.get("winner_exp1")
-    best = winner
-    if exp1 is not None and exp1["rmse_ratio_geomean"] < winner["rmse_ratio_geomean"]:
-        best = exp1
-    chosen = dict(best["setting"])
-    lines = [f"Winner (lowest RMSE among settings >= {SPEEDUP_TARGET:g}x faster than dwidenoise on every "
-             f"phantom): {describe(winner['setting'])}: RMSE {winner['rmse_ratio_geomean']:.4f} x dwidenoise's, "
-             f"speed-up {winner['speedup_min']:.2f}x (min over phantoms)."]
+    sweep_winner, winner = report["sweep_winner"], report["winner"]
+    chosen = dict(winner["setting"])
+    lines = [f"The first sweep's winner (lowest RMSE among settings >= {SPEEDUP_TARGET:g}x faster than dwidenoise "
+             f"on every phantom): {describe(sweep_winner['setting'])}: RMSE "
+             f"{sweep_winner['rmse_ratio_geomean']:.4f} x dwidenoise's, speed-up {sweep_winner['speedup_min']:.2f}x "
+             "(min over phantoms)."]
     if report["note"]:
         lines.append("Note: " + report["note"] + ".")
-    if exp1 is not None:
-        lines.append(f"The same with estimator exp1: RMSE {exp1['rmse_ratio_geomean']:.4f} x dwidenoise's, "
-                     f"speed-up {exp1['speedup_min']:.2f}x: "
-                     f"{'exp1 is better' if best is exp1 else 'exp2 stays'}.")
+    for row in report["method_rows"]:
+        changed = ", ".join(f"{k}={row['setting'][k]}" for k in KEYS
+                            if str(row["setting"][k]) != str(sweep_winner["setting"][k]))
+        lines.append(f"- with {changed}: RMSE {row['rmse_ratio_geomean']:.4f} x dwidenoise's "
+                     f"({100 * (row['rmse_ratio_geomean'] / sweep_winner['rmse_ratio_geomean'] - 1):+.2f}%), "
+                     f"speed-up {row['speedup_min']:.2f}x{'' if row['fast'] else ' (under the bar)'}.")
+    lines.append(f"Winner of all rows: {describe(winner['setting'])}: RMSE {winner['rmse_ratio_geomean']:.4f} x "
+                 f"dwidenoise's, speed-up {winner['speedup_min']:.2f}x.")
     current = report["current_defaults"]
     current_row = report.get("current_row")
+    every = report["rows"] + report["method_rows"]
     if current_row is None:
         lines.append(f"The current defaults ({describe(current)}) were not among the settings measured.")
     else:
-        position = 1 + sorted(r["rmse_ratio_geomean"] for r in report["rows"]).index(
-            current_row["rmse_ratio_geomean"])
-        lines.append(f"Current defaults ({describe(current)}): #{position} of {len(report['rows'])}, RMSE "
+        position = 1 + sorted(r["rmse_ratio_geomean"] for r in every).index(current_row["rmse_ratio_geomean"])
+        lines.append(f"Current defaults ({describe(current)}): #{position} of {len(every)}, RMSE "
                      f"{current_row['rmse_ratio_geomean']:.4f} x dwidenoise's "
-                     f"({100 * (current_row['rmse_ratio_geomean'] / best['rmse_ratio_geomean'] - 1):+.2f}% "
+                     f"({100 * (current_row['rmse_ratio_geomean'] / winner['rmse_ratio_geomean'] - 1):+.2f}% "
                      f"against the recommendation), speed-up {current_row['speedup_min']:.2f}x "
                      f"({'fast' if current_row['fast'] else 'NOT fast enough'}).")
-    same = report.get("current_row") is not None and is_setting(report["current_row"], chosen)
+    same = current_row is not None and is_setting(current_row, chosen)
     lines.append("Recommendation: " + ("keep the current defaults." if same else
                                        f"DEFAULTS = dict({', '.join(f'{k}={chosen[k]!r}' for k in KEYS)})."))
     return "\n".join(lines)
@@ -227,14 +257,13 @@ def report_markdown(report, phantoms) -> str:
            f"Phantoms: {report['phantom_shape']} voxels x {report['volumes']} volumes: "
            + "; ".join(f"{p.name}: {p.description}" for p in phantoms) + ".", "",
            "dwidenoise (float32, its defaults) in the same run:", "",
-           reference_table(report["references"], phantoms),
-           ""]
-    if report.get("winner_exp1") is not None:
-        out += ["The winner with each estimator:", "",
-                summary_table([report["winner"], report["winner_exp1"]], names, None, report["winner"]), ""]
-    out += [recommendation(report), "", "All settings, sorted by RMSE (ratio to dwidenoise's, geometric mean "
-            "over the phantoms):", "", summary_table(report["rows"], names, report.get("current_row"),
-                                                      report["winner"]), ""]
+           reference_table(report["references"], phantoms), "",
+           "The first sweep's winner and the method's options from it:", "",
+           summary_table([report["sweep_winner"]] + report["method_rows"], names, report.get("current_row"),
+                         report["winner"]), "",
+           recommendation(report), "", "The first sweep, sorted by RMSE (ratio to dwidenoise's, geometric mean "
+           "over the phantoms):", "", summary_table(report["rows"], names, report.get("current_row"),
+                                                    report["winner"]), ""]
     return "\n".join(out)
 
 
@@ -301,21 +330,31 @@ def main(argv=None):
         rows.append(row)
         log(f"[{count}/{len(sweep)}] {row['key']}: RMSE x{row['rmse_ratio_geomean']:.4f}, "
             f"speed-up {row['speedup_min']:.2f}x")
-    winner, note = choose(rows)
-    winner_exp1 = measure({**winner["setting"], "estimator": "exp1"}, phantoms, references, args)
-    log(f"winner {winner['key']}; with exp1: RMSE x{winner_exp1['rmse_ratio_geomean']:.4f}")
+    sweep_winner, note = choose(rows)
+    log(f"first sweep's winner: {sweep_winner['key']}")
+    method_rows = []
+    variants = method_variants(sweep_winner)
+    for count, setting in enumerate(variants, 1):
+        method_rows.append(measure(setting, phantoms, references, args))
+        log(f"[method {count}/{len(variants)}] {method_rows[-1]['key']}: RMSE "
+            f"x{method_rows[-1]['rmse_ratio_geomean']:.4f}, speed-up {method_rows[-1]['speedup_min']:.2f}x")
+    combination = best_combination(sweep_winner, method_rows)
+    if combination is not None:
+        method_rows.append(measure(combination, phantoms, references, args))
+        log(f"[combination] {method_rows[-1]['key']}: RMSE x{method_rows[-1]['rmse_ratio_geomean']:.4f}")
+    winner, _ = choose(rows + method_rows)
 
-    current_row = next((r for r in rows if is_setting(r, current)), None)
+    current_row = next((r for r in rows + method_rows if is_setting(r, current)), None)
     report = dict(stamp=run, settings=run_settings,
                   timing=f"wall time: {timing_note(args.repeats, args.single_above)}; {ENGINE_AGAINST_DWIDENOISE}",
                   phantom_shape="x".join(map(str, shape)), volumes=volumes,
                   phantoms=[p.summary() for p in phantoms], speedup_target=SPEEDUP_TARGET,
-                  references=references, rows=rows, winner=winner, winner_exp1=winner_exp1, note=note,
-                  current_defaults=current, current_row=current_row)
+                  references=references, rows=rows, sweep_winner=sweep_winner, method_rows=method_rows,
+                  winner=winner, note=note, current_defaults=current, current_row=current_row)
     report["recommendation"] = recommendation(report)
 
     harness.finish(run)
-    details = "\n\n".join(f"Phantom {p.name}, every setting:\n\n" + phantom_detail_table(rows + [winner_exp1],
+    details = "\n\n".join(f"Phantom {p.name}, every setting:\n\n" + phantom_detail_table(rows + method_rows,
                                                                                          p.name)
                           for p in phantoms)
     markdown = report_markdown(report, phantoms)

@@ -1,18 +1,19 @@
-"""The filters (``denoise(filter=...)``) or the estimators (``estimator=...``) against each other on phantoms
-with a known truth.
+"""The filters (``denoise(filter=...)``), the estimators (``estimator=...``) or the weighted and Gaussian
+aggregations (``aggregation=...``) against each other on phantoms with a known truth.
 
 The phantoms of ``quality.py`` (the low-rank series at ranks 3 and 10 and noise 5 and 20, the head-shaped DWI
 phantom at noise 10 and 30), for every T in ``--volumes`` (default 32, 64, 128, 300), on a smaller grid
 (``--shape``, default 24x24x16) so that the whole table takes minutes on 2 cores. Each phantom is denoised
-with our defaults and each filter (``--vary filter``, the default) or each estimator (``--vary estimator``)
-on the CPU engine; the table gives the RMSE to the truth in the mask, its ratio to the default's (``hard``,
-``exp2``), the noise map's median relative error and the mean rank, and per T the geometric mean of the
-ratios over the phantoms.
+with our defaults and each filter (``--vary filter``, the default), each estimator (``--vary estimator``) or
+the two aggregations of every patch (``--vary aggregation``) on the CPU engine; the table gives the RMSE to
+the truth in the mask, its ratio to the default's (``hard``, ``exp2``, ``weighted``), the noise map's median
+relative error and the mean rank, and per T the geometric mean of the ratios over the phantoms.
 
 Usage (from the repository root)::
 
     python benchmarks/shrinkage.py --threads 2
     python benchmarks/shrinkage.py --threads 2 --vary estimator --out benchmarks/results/estimators.json
+    python benchmarks/shrinkage.py --threads 2 --vary aggregation --out benchmarks/results/aggregation.json
 
 Writes JSON to ``--out`` (default benchmarks/results/shrinkage.json: ``stamp`` and ``rows``) and a Markdown
 table next to it (``.md``); the table is printed last.
@@ -39,7 +40,7 @@ from quality import FULL_DWI, FULL_LOWRANK, FULL_VOLUMES, parse_volumes, phantom
 from mppca_nipype.engine.estimators import ESTIMATORS, FILTERS  # noqa: E402
 
 #: What ``--vary`` may vary: the option's values, the first the baseline of the ratios.
-CHOICES = {"filter": FILTERS, "estimator": ESTIMATORS}
+CHOICES = {"filter": FILTERS, "estimator": ESTIMATORS, "aggregation": ("weighted", "gaussian")}
 SHAPE = (24, 24, 16)
 
 
