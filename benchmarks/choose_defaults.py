@@ -11,7 +11,7 @@ measures every setting of
 (extents that resolve to the same patch, e.g. auto = 5 for 48 volumes, are run once, under "auto") on each
 phantom, together with ``dwidenoise`` (float32, its defaults) in the same run. Then the method's options
 (``METHOD_OPTIONS``: every other estimator and filter, the ``gaussian`` aggregation, spherical patches) one at a
-time from that sweep's winner, and the combination of each option's best where more than one beat it. The
+time from that sweep's winner, and every combination of two or more of those that beat it, each at its best. The
 default is the best of all these rows by the rule. The ranking is by RMSE to the truth inside the mask, as a
 ratio to ``dwidenoise``'s RMSE on the same phantom, geometric mean over the phantoms; "fast" means a speed-up
 of at least 5x over ``dwidenoise`` on every phantom.
@@ -30,6 +30,7 @@ summary table, sorted by RMSE, last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import warnings
 
@@ -134,9 +135,9 @@ def method_variants(winner) -> list[dict]:
     return [{**base, option: value} for option, values in METHOD_OPTIONS.items() for value in values]
 
 
-def best_combination(winner, method_rows) -> dict | None:
-    """The winner with each method option at the value that beat it most (rows that are fast where the winner
-    is), or None unless at least two options beat it."""
+def combinations_of_bests(winner, method_rows) -> list[dict]:
+    """The winner with two or more of the method options that beat it (rows fast where the winner is), each
+    at its best value: every such combination, the largest first."""
     best = {}
     for row in method_rows:
         if row["fast"] < winner["fast"] or row["rmse_ratio_geomean"] >= winner["rmse_ratio_geomean"]:
@@ -144,9 +145,9 @@ def best_combination(winner, method_rows) -> dict | None:
         option = next(k for k in METHOD_OPTIONS if row["setting"][k] != winner["setting"][k])
         if option not in best or row["rmse_ratio_geomean"] < best[option]["rmse_ratio_geomean"]:
             best[option] = row
-    if len(best) < 2:
-        return None
-    return {**winner["setting"], **{option: row["setting"][option] for option, row in best.items()}}
+    options = sorted(best)
+    return [{**winner["setting"], **{option: best[option]["setting"][option] for option in chosen}}
+            for size in range(len(options), 1, -1) for chosen in itertools.combinations(options, size)]
 
 
 def choose(rows):
@@ -338,8 +339,7 @@ def main(argv=None):
         method_rows.append(measure(setting, phantoms, references, args))
         log(f"[method {count}/{len(variants)}] {method_rows[-1]['key']}: RMSE "
             f"x{method_rows[-1]['rmse_ratio_geomean']:.4f}, speed-up {method_rows[-1]['speedup_min']:.2f}x")
-    combination = best_combination(sweep_winner, method_rows)
-    if combination is not None:
+    for combination in combinations_of_bests(sweep_winner, method_rows):
         method_rows.append(measure(combination, phantoms, references, args))
         log(f"[combination] {method_rows[-1]['key']}: RMSE x{method_rows[-1]['rmse_ratio_geomean']:.4f}")
     winner, _ = choose(rows + method_rows)
