@@ -32,7 +32,7 @@ import mppca_nipype  # noqa: E402
 #: voxel demeaning and weighted aggregation, on a rank-5 phantom with a baseline near 1000 and noise 4.
 SEED_OPTIONS = dict(extent=11, stride=3, estimator="exp2", aggregation="weighted", demean="voxel")
 #: MRtrix3 dwidenoise's mode: 5^3 windows around every voxel, each voxel from its own window, no demeaning.
-DWIDENOISE_OPTIONS = dict(extent=5, stride=1, estimator="exp2", aggregation="center", demean="none")
+DWIDENOISE_OPTIONS = dict(extent=5, stride=1, estimator="exp2", aggregation="center", demean="none", filter="hard")
 #: The article's final step on our kernels: the fused Gram and reconstruction kernels with cuSOLVER's
 #: XsyevBatched, batches of 2048 windows (``denoise_gpu``'s settings).
 ARTICLE_STEP = dict(path="fused", max_batch=2048, eigensolver="xsyev")

@@ -11,7 +11,8 @@ Example
 -------
 >>> from nipype import Node
 >>> from mppca_nipype.interfaces import MPPCADenoise
->>> denoise = Node(MPPCADenoise(extent="auto", stride=1, aggregation="center", demean="none"), name="denoise")
+>>> denoise = Node(MPPCADenoise(extent="auto", stride=1, aggregation="center", demean="none", estimator="exp2",
+...                            filter="hard"), name="denoise")
 """
 
 from __future__ import annotations

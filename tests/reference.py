@@ -21,6 +21,8 @@ import statistics
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from mppca_nipype.engine import DEFAULTS
+
 
 def reference_extent(extent, spatial_shape, n_volumes):
     """Three odd window sizes: "auto" is the smallest odd e with e**3 >= T; every axis is capped at the
@@ -264,7 +266,7 @@ def denoise_patch(X, demean, estimator, given_sigma2=None, filter="hard", groups
 
 @threadpool_limits.wrap(limits=1)  # tiny matrices: BLAS threads would only fight over the cores
 def denoise_reference(data, mask=None, *, extent, stride, aggregation, demean, estimator, noise=None,
-                      filter="hard", groups=None):
+                      filter=DEFAULTS["filter"], groups=None):
     """Denoise ``data`` (X, Y, Z, T) one patch at a time; return (denoised, sigma, rank), float64.
 
     ``groups``: a label per volume; each voxel's mean over each group's volumes is removed first

@@ -261,7 +261,7 @@ def test_help_gives_dwidenoise_mode_and_the_defaults():
     result = run_cli("--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
-    assert "--extent auto --stride 1 --aggregation center --demean none" in text
+    assert "--extent auto --stride 1 --aggregation center --demean none --estimator exp2 --filter hard" in text
     for option in ("extent", "stride", "aggregation", "demean", "estimator"):
         assert f"(default: {DEFAULTS[option]})" in text, option
 

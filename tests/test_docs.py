@@ -39,7 +39,8 @@ def test_the_methods_example_of_citing_md_runs_and_matches_its_quote(capsys):
     quoted = " ".join(line.lstrip("> ") for line in (DOCS / "citing.md").read_text().splitlines()
                       if line.startswith("> "))
     quoted = " ".join(quoted.replace("Veraart et al., 2016", "[@veraart2016]")
-                      .replace("Cordero-Grande et al., 2019", "[@cordero2019]").split())
+                      .replace("Cordero-Grande et al., 2019", "[@cordero2019]")
+                      .replace("Olesen et al., 2023", "[@olesen2023]").split())
     from mppca_nipype import __version__
 
     assert quoted.replace("0.1.0", __version__) in printed
@@ -61,7 +62,8 @@ def test_the_mppca_denoise_and_mppca_noise_examples_of_usage_md_run_in_order(tmp
     Path("volume_groups.txt").write_text("\n".join(str(i // 10) for i in range(20)) + "\n")
     for echo in (1, 2, 3):
         nib.save(nib.Nifti1Image(noisy * np.float32(0.8**echo), np.eye(4)), f"echo-{echo}.nii.gz")
-    commands = [line for block in code_blocks("usage.md", "bash") for line in block.splitlines()
+    commands = [line for block in code_blocks("usage.md", "bash")
+                for line in block.replace("\\\n", " ").splitlines()
                 if line.startswith(("mppca-denoise ", "mppca-noise "))]
     assert len(commands) == 7
     for command in commands:

@@ -135,7 +135,7 @@ def test_filters_leave_nonfinite_voxels_out_and_take_a_given_noise_level(filter_
 def test_optshrink_changes_the_image_but_not_the_noise_map_at_center_aggregation():
     data, mask, extent = case_data("time-side", seed=42)
     options = dict(extent=extent, stride=1, aggregation="center", demean="none", estimator="exp2")
-    hard, shrunk = run_engine(data, mask, **options), run_engine(data, mask, **options, filter="optshrink")
+    hard, shrunk = run_engine(data, mask, **options, filter="hard"), run_engine(data, mask, **options, filter="optshrink")
     assert np.array_equal(hard.sigma, shrunk.sigma)
     assert not np.array_equal(hard.denoised, shrunk.denoised)
 
@@ -217,7 +217,7 @@ def test_the_methods_text_names_the_filter_and_cites_its_paper():
     shrunk = init_mppca_wf(filter="optshrink", use_gpu=False)
     assert "optimal shrinker for the Frobenius loss" in shrunk.__desc__
     assert "10.1109/TIT.2017.2653801" in shrunk.__postdesc__
-    hard = init_mppca_wf(use_gpu=False)
+    hard = init_mppca_wf(filter="hard", use_gpu=False)
     assert "only the signal components were kept" in hard.__desc__ and "Gavish" not in hard.__postdesc__
 
 
@@ -226,6 +226,6 @@ def test_mppca_nipype_takes_filter_and_hands_it_to_every_run(tmp_path):
 
     args = build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant", "--filter", "optthresh"])
     assert args.filter == "optthresh"
-    assert build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant"]).filter == "hard"
+    assert build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant"]).filter == "optshrink"
     with pytest.raises(AppError, match="--filter: invalid choice: 'soft'"):
         build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant", "--filter", "soft"])

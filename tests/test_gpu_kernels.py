@@ -1079,14 +1079,16 @@ def test_the_low_rank_projector_launch_and_the_full_one_give_lapacks_projectors(
         assert error <= 40 * m * eps + 2 * eps * scale[b] / gap, (r, error, eps * scale[b] / gap)
 
 
-def test_projectors_whose_cut_float32_cannot_resolve_are_flagged():
-    """eps ||A|| / gap at the rank's cut above the limit: flagged; a wide gap, rank 0 or rank m: not."""
-    from mppca_nipype.engine.gpu.threshold import unresolved_projectors
+@pytest.mark.parametrize("as_array", [torch.tensor, np.asarray])
+def test_projectors_whose_cut_float32_cannot_resolve_are_flagged(as_array):
+    """eps ||A|| / gap at the rank's cut above the limit: flagged; a wide gap, rank 0 or rank m: not. The same
+    code on the GPU's tensors and the CPU's arrays."""
+    from mppca_nipype.engine.estimators import unresolved_projectors
 
-    values = torch.tensor([[1.0, 2.0, 3.0, 1e4], [1.0, 2.0, 2.0 + 1e-3, 1e4], [1.0, 2.0, 2.0 + 1e-3, 1e4],
-                           [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
-    rank = torch.tensor([2, 2, 0, 4])
-    scale = torch.full((4,), 1e4, dtype=torch.float64)
+    values = as_array([[1.0, 2.0, 3.0, 1e4], [1.0, 2.0, 2.0 + 1e-3, 1e4], [1.0, 2.0, 2.0 + 1e-3, 1e4],
+                       [1.0, 1.0, 1.0, 1.0]])
+    rank = as_array([2, 2, 0, 4])
+    scale = as_array([1e4] * 4)
     # eps * 1e4 = 1.2e-3: over a gap of 1 that is 1.2e-3, over a gap of 1e-3 it is 1.2
     assert unresolved_projectors(values, rank, scale, limit=1e-2).tolist() == [False, True, False, False]
     assert unresolved_projectors(values, rank, scale, limit=1e-4).tolist() == [True, True, False, False]

@@ -55,8 +55,8 @@ def test_provenance_records_parameters_backend_versions_and_checksum(series, tmp
                                                      extent="auto", stride=2, demean="voxel", num_threads=1))
     provenance = read_json(result.outputs.provenance_file)
     assert provenance["Parameters"] == dict(extent="auto", stride=2, shape="cuboid", estimator="exp1",
-                                            aggregation="weighted",
-                                            demean="voxel", filter="hard", noise_floor="none", coils=1,
+                                            aggregation="gaussian",
+                                            demean="voxel", filter="optshrink", noise_floor="none", coils=1,
                                             use_gpu=False,
                                             num_threads=1)
     assert provenance["Backend"] == "cpu" and provenance["Device"] == "cpu"

@@ -3,9 +3,9 @@ float64 reference written here from docs/options.md ("Patch shape"), sharing no 
 
 The reference: spheres centred on every voxel (stride 1) or on the grid 0, s, 2s, ... and the last voxel of
 each axis (stride s), each clipped at the image's edges and holding only the finite voxels within distance r
-of its centre; their count is the patch's n in the Marchenko-Pastur rule (``reference.mp_threshold``); each
-sphere's own voxels, and only they, are reconstructed, x_hat = (x - mu) V_P V_P^T + mu, and aggregated
-(``center``: each voxel from its own sphere).
+of its centre; their count is the patch's n in the Marchenko-Pastur rule and the filter
+(``reference.denoise_patch``); each sphere's own voxels, and only they, are reconstructed, x_hat = (x - mu)
+V diag(w) V^T + mu, and aggregated (``center``: each voxel from its own sphere).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import warnings
 import numpy as np
 import pytest
 
-from mppca_nipype.engine import (NOISE_STRIDE, MPPCAInputError, denoise, estimate_noise, noise_stride,
+from mppca_nipype.engine import (DEFAULTS, NOISE_STRIDE, MPPCAInputError, denoise, estimate_noise, noise_stride,
                                  resolve_options)
 from mppca_nipype.engine.backend import PatchSums
 from mppca_nipype.engine.cpu import denoise_cpu
 from mppca_nipype.engine.errors import MPPCAWarning
 from mppca_nipype.engine.patches import GAUSSIAN_WIDTH, plan_patches, sphere_grid_gap, sphere_radius, sphere_size
-from reference import mp_threshold
+from reference import denoise_patch
 
 
 def brute_force_sphere(radius):
@@ -125,12 +125,12 @@ def reference_centres(shape3, stride):
     return list(itertools.product(*axes))
 
 
-def sphere_reference(data, *, extent_voxels, stride, aggregation, demean, estimator):
-    """Denoise ``data`` (X, Y, Z, T) with spherical patches, one sphere at a time, in float64: (denoised,
-    sigma, rank, weight). ``extent_voxels``: the voxels the cuboid would hold (the sphere holds at least as
-    many). Voxels holding NaN take part in no sphere."""
+def sphere_reference(data, *, extent_voxels, stride, aggregation, demean, estimator, filter=DEFAULTS["filter"]):
+    """Denoise ``data`` (X, Y, Z, T) with spherical patches, one sphere at a time, in float64 (each patch as
+    ``reference.denoise_patch`` does): (denoised, sigma, rank, weight). ``extent_voxels``: the voxels the
+    cuboid would hold (the sphere holds at least as many). Voxels holding NaN take part in no sphere."""
     data = np.asarray(data, dtype=np.float64)
-    shape3, T = data.shape[:3], data.shape[3]
+    shape3 = data.shape[:3]
     finite = np.isfinite(data).all(axis=3)
     radius = 0
     while len(brute_force_sphere(radius)) < extent_voxels:
@@ -142,18 +142,7 @@ def sphere_reference(data, *, extent_voxels, stride, aggregation, demean, estima
         voxels = [tuple(c + o for c, o in zip(centre, offset)) for offset in ball]
         patch = [v for v in voxels if all(0 <= i < s for i, s in zip(v, shape3)) and finite[v]]
         X = np.array([data[v] for v in patch])
-        n = len(patch)
-        if demean == "volume":
-            mu, n_eff, t_eff = X.mean(axis=0), n - 1, T
-        elif demean == "voxel":
-            mu, n_eff, t_eff = X.mean(axis=1, keepdims=True), n, T - 1
-        else:
-            mu, n_eff, t_eff = np.zeros(T), n, T
-        centred = X - mu
-        eigenvalues, eigenvectors = np.linalg.eigh(centred.T @ centred)  # T x T, whatever n
-        P, sigma2 = mp_threshold(eigenvalues, n_eff, t_eff, estimator)
-        top = eigenvectors[:, ::-1][:, :P]
-        restored = centred @ top @ top.T + mu
+        restored, P, sigma2 = denoise_patch(X, demean, estimator, filter=filter)
         if aggregation == "center":
             if finite[centre]:
                 image[centre], weight[centre] = restored[patch.index(centre)], 1.0

@@ -210,8 +210,8 @@ def test_the_warm_up_runs_each_T_in_both_modes_on_grids_of_both_divisibilities()
     """Per T and mode, the patch a full-size series of that T takes (not capped by the small grid), on a grid
     whose voxel and window counts are multiples of 16 and on one whose counts are odd (Triton specialises
     integer arguments on divisibility by 16)."""
-    from mppca_nipype.engine import DEFAULTS
-    from mppca_nipype.engine.gpu.warmup import DWIDENOISE_MODE, warm_up_runs
+    from mppca_nipype.engine import DEFAULTS, DWIDENOISE_MODE
+    from mppca_nipype.engine.gpu.warmup import warm_up_runs
     from mppca_nipype.engine.patches import plan_patches, resolve_extent
 
     runs = warm_up_runs((48, 65, 300))
@@ -239,13 +239,16 @@ def test_the_warm_up_runs_each_T_in_both_modes_on_grids_of_both_divisibilities()
 
 
 def test_the_warm_up_takes_the_options_mode_and_dwidenoise_s():
+    from mppca_nipype.engine import DWIDENOISE_MODE
     from mppca_nipype.engine.gpu.warmup import warm_up_runs
 
     runs = warm_up_runs((48,), dict(demean="voxel", extent=11, estimator="exp1"))
-    assert [(run.mode, run.options["demean"], run.options["extent"], run.options["estimator"]) for run in runs] == [
-        ("the options given", "voxel", 11, "exp1")] * 2 + [("dwidenoise's mode", "none", "auto", "exp1")] * 2
+    assert [(run.mode, run.options["demean"], run.options["extent"], run.options["estimator"],
+             run.options["filter"]) for run in runs] == [
+        ("the options given", "voxel", 11, "exp1", "optshrink")] * 2 + [
+        ("dwidenoise's mode", "none", "auto", "exp1", "hard")] * 2
     assert all(min(run.shape) >= 11 for run in runs[:2])
-    dwidenoise_only = warm_up_runs((48,), dict(extent="auto", stride=1, aggregation="center", demean="none"))
+    dwidenoise_only = warm_up_runs((48,), DWIDENOISE_MODE)
     assert {run.mode for run in dwidenoise_only} == {"the options given"} and len(dwidenoise_only) == 2
 
 

@@ -59,10 +59,10 @@ a magnitude with --phase is, and OUT is then complex64."""
 
 EPILOG = """\
 MRtrix3 dwidenoise's mode is --extent auto
---stride 1 --aggregation center --demean none
-(with --estimator exp2, its default, or exp1). The defaults here (extent wide,
-stride 3, weighted aggregation, volume demeaning, exp2) were chosen by
-measurement (docs/benchmarks.md).
+--stride 1 --aggregation center --demean none --estimator exp2 --filter hard
+(or --estimator exp1, its other estimator). The defaults here (extent wide,
+stride 3, volume demeaning, the olesen2023 estimator, optimal shrinkage,
+gaussian aggregation) were chosen by measurement (docs/benchmarks.md).
 
 --noise-only is mppca-noise IN SIGMA: the noise map alone, without denoising,
 on a coarser grid (stride 7 unless --stride is given).

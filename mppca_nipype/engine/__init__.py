@@ -41,8 +41,10 @@ __all__ = ["denoise", "DenoiseResult", "estimate_noise", "NoiseResult", "Denoise
 MIN_VOLUMES = 3
 
 #: The defaults, chosen by measurement (docs/benchmarks.md, "Choosing the defaults").
-DEFAULTS = dict(extent="wide", stride=3, estimator="exp2", aggregation="weighted", demean="volume", filter="hard",
-                shape="cuboid")
+DEFAULTS = dict(extent="wide", stride=3, estimator="olesen2023", aggregation="gaussian", demean="volume",
+                filter="optshrink", shape="cuboid")
+#: MRtrix3 dwidenoise's method, which ``denoise`` reproduces with these options (docs/options.md).
+DWIDENOISE_MODE = dict(extent="auto", stride=1, aggregation="center", demean="none", estimator="exp2", filter="hard")
 
 #: ``estimate_noise``'s grid step: coarser than ``denoise``'s, chosen by measurement (docs/benchmarks.md,
 #: "The noise map alone").
@@ -415,9 +417,10 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     DenoiseResult
         ``denoised`` (float32, same shape), ``sigma`` and ``rank`` maps, ``info``, and the ``maps`` asked for.
 
-    The defaults (extent "wide", stride 3, weighted, volume demeaning, exp2) were chosen by measurement
-    (docs/benchmarks.md, "Choosing the defaults"); dwidenoise's mode is
-    ``extent="auto", stride=1, aggregation="center", demean="none"``.
+    The defaults (extent "wide", stride 3, volume demeaning, olesen2023, optshrink, gaussian aggregation) were
+    chosen by measurement (docs/benchmarks.md, "Choosing the defaults"); dwidenoise's mode is
+    ``DWIDENOISE_MODE``: ``extent="auto", stride=1, aggregation="center", demean="none", estimator="exp2",
+    filter="hard"``.
     """
     maps = resolve_maps(maps)
     if demean in GROUP_DEMEANING or isinstance(data, (list, tuple)) or np.ndim(data) == 5:

@@ -13,11 +13,12 @@ number, in the (V, T) rows they gather patches from: a volume-major series is re
 ``layout``) and each limits its BLAS to one thread: on matrices of 48 x 48, one thread per process is faster
 than a multithreaded BLAS fighting over the same cores. ``PROFILE`` times every phase (``PhaseClock``).
 
-Precision (``first_pass_dtype``): with voxel or volume demeaning, the hard threshold and the noise
-estimated, the windows run in float32 first (gather, Gram, LAPACK's reduction and eigenvalues,
-projection; the threshold in float64), 1.2-1.3x faster than float64 on the defaults' windows. A window
-whose rank float32's error could change (``SETTLE_SLACK``) is redone in float64 (``fit_windows``), so ranks
-are float64's. Without demeaning (dwidenoise's mode) the patch's mean would drown the noise eigenvalues in
+Precision (``first_pass_dtype``): with voxel or volume demeaning and the noise estimated, the windows run in
+float32 first (gather, Gram, LAPACK's reduction and eigenvalues, projection; the threshold and a filter's
+weights in float64), 1.2-1.3x faster than float64 on the defaults' windows. A window whose rank float32's
+error could change (``SETTLE_SLACK``), or with a filter whose kept and dropped eigenvalues float32 cannot
+separate (``estimators.unresolved_projectors``), is redone in float64 (``fit_windows``), so ranks are
+float64's. Without demeaning (dwidenoise's mode) the patch's mean would drown the noise eigenvalues in
 float32's rounding, and everything runs in float64.
 """
 
@@ -45,7 +46,7 @@ from . import lapack
 from .backend import PatchSums, available_cpus
 from .errors import MPPCAWarning
 from .estimators import (aggregation_weights, component_weights, given_noise_threshold,
-                         marchenko_pastur_edge, marchenko_pastur_threshold)
+                         marchenko_pastur_edge, marchenko_pastur_threshold, unresolved_projectors)
 from .layout import is_volume_major, padded_series, rows_of_planes
 
 #: Memory one batch may use for its patch matrices (float64), per process. Small enough that NumPy's
@@ -217,9 +218,9 @@ class WindowSpectra:
 
 def first_pass_dtype(options):
     """float32 where the patches are demeaned and the rank's settling test exists
-    (``estimators.marchenko_pastur_threshold``'s uncertainty: every estimator, the hard threshold, the
-    noise estimated); float64 elsewhere."""
-    if options.demean in ("voxel", "volume") and options.filter == "hard" and not options.noise_given:
+    (``estimators.marchenko_pastur_threshold``'s uncertainty: every estimator and filter, the noise
+    estimated); float64 elsewhere."""
+    if options.demean in ("voxel", "volume") and not options.noise_given:
         return np.float32
     return np.float64
 
@@ -254,12 +255,14 @@ def settled_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK, dtyp
 
 
 def take_exact(windows, where, exact):
-    """Put the float64 rank, noise level and lambda_+ of ``exact`` (a ``WindowFit`` or ``WindowSpectra`` of
-    the windows at ``where``, (B,) bool) in place of ``windows``' own."""
+    """Put the float64 rank, noise level, lambda_+ and filter weights of ``exact`` (a ``WindowFit`` or
+    ``WindowSpectra`` of the windows at ``where``, (B,) bool) in place of ``windows``' own."""
     windows.rank[where] = exact.rank
     windows.sigma2[where] = exact.sigma2
     if windows.lambda_plus is not None:
         windows.lambda_plus[where] = exact.lambda_plus
+    if windows.weights is not None:
+        windows.weights[where] = exact.weights
 
 
 def _numbers(windows):
@@ -321,6 +324,8 @@ def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype
     if options.filter != "hard":  # the noise level as known: the filter's weights decide what is kept
         weights = component_weights(values, n_voxels, n_volumes, sigma2, options.filter)
         rank = np.count_nonzero(weights, axis=1).astype(np.int64)
+        if unsettled is not None:  # the filter's cut may fall inside the noise bulk (as the GPU's test)
+            unsettled |= unresolved_projectors(values, rank, np.maximum(values[:, -1], 0.0))
     clock.lap("threshold")
     return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part, weights, lambda_plus,
                          unsettled)

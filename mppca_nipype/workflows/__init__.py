@@ -65,8 +65,9 @@ _AGGREGATION_TEXT = {
     "weighted": "overlapping reconstructions were averaged with weights 1/(1 + P) (P: the patch's rank, "
                 "plus one when the voxel means were removed)",
     "uniform": "overlapping reconstructions were averaged with equal weights",
-    "gaussian": "overlapping reconstructions were averaged with weights 1/(1 + P) (as 'weighted') times a "
-                "Gaussian of each voxel's distance from its patch's centre (sigma: the patch's half-width)",
+    "gaussian": "overlapping reconstructions were averaged with weights 1/(1 + P) (P: the patch's rank, plus "
+                "one when the voxel means were removed) times a Gaussian of each voxel's distance from its "
+                "patch's centre (standard deviation: the patch's half-width)",
 }
 
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..estimators import aggregation_weights, component_weights, marchenko_pastur_edge
+from ..estimators import aggregation_weights, component_weights, marchenko_pastur_edge, unresolved_projectors
 from . import reconstruction, threshold
 from .gram import gather_gram, gram
-from .threshold import rounding_uncertainty, threshold_on_device, unresolved_projectors
+from .threshold import rounding_uncertainty, threshold_on_device
 from .upload import Upload, round_bounds, to_device
 
 

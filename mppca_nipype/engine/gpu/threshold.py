@@ -18,7 +18,7 @@ its Gram (~eps lambda_max) can land on either side of it; one such flip in a sma
 difference from the float64 CPU path. A float32 first pass therefore flags the windows whose rank would
 change if the eigenvalues moved by a few float32 roundings of the largest (``rounding_uncertainty``: the slack
 depends on the eigensolver), and, with the patch's mean taken apart, those whose projector float32 cannot
-resolve (``unresolved_projectors``); ``settling`` redoes them in float64.
+resolve (``estimators.unresolved_projectors``); ``settling`` redoes them in float64.
 """
 
 from __future__ import annotations
@@ -50,14 +50,6 @@ REFINED_ESTIMATORS = ("exp2", "exp1", "olesen2023")
 #: A refined window whose rank reaches its refined block less this many is decided outside that block:
 #: unsettled.
 REFINE_GUARD = 8
-#: Undemeaned float32 runs (the mean taken apart): a window whose kept and dropped eigenvalues are closer
-#: than float32 can separate, eps ||A|| / gap above this, is redone in float64 (the tridiagonal kernels'
-#: projector errs by up to ~0.6 times that ratio; a mixing of kept and dropped noise-level vectors by 1e-2
-#: moves a voxel by ~1e-2 of the noise). dwidenoise's mode on 96x96x48x48: 4.8e-7 from float64 at 1e-2 and
-#: with no limit, 1.7e-7 at 1e-5 but with 88% of the windows redone.
-PROJECTOR_GAP_LIMIT = 1e-2
-
-
 @triton.jit
 def _rank_of(values, index, n_voxels, n_volumes, m: tl.constexpr, EXP1: tl.constexpr):
     """The rank and noise variance ``marchenko_pastur_threshold`` gives for one window's ascending
@@ -274,13 +266,3 @@ def rounding_uncertainty(values, slack=None, scale=None):
     scale = values[:, -1:].clamp(min=0) if scale is None else scale.reshape(-1, 1)
     return slack * torch.finfo(torch.float32).eps * scale
 
-
-def unresolved_projectors(values, rank, scale, limit=None):
-    """(B,) bool: windows whose projector float32 cannot resolve, eps ``scale`` over the gap between the
-    smallest kept and the largest dropped eigenvalue above ``limit`` (default ``PROJECTOR_GAP_LIMIT``)."""
-    limit = PROJECTOR_GAP_LIMIT if limit is None else limit
-    m = values.shape[1]
-    cut = (m - rank.to(torch.int64)).clamp(1, m - 1)[:, None]
-    gap = (values.gather(1, cut) - values.gather(1, cut - 1))[:, 0]
-    unresolved = torch.finfo(torch.float32).eps * scale.reshape(-1) > limit * gap
-    return unresolved & (rank > 0) & (rank < m)

@@ -32,9 +32,6 @@ import numpy as np
 
 from ..patches import resolve_extent, window_positions
 
-#: MRtrix3 dwidenoise's mode (its estimator is the options').
-DWIDENOISE_MODE = dict(extent="auto", stride=1, aggregation="center", demean="none")
-
 #: A grid larger than any patch: on it ``resolve_extent`` gives the extent a rule asks for, uncapped.
 _UNCAPPED = (1001, 1001, 1001)
 
@@ -90,12 +87,13 @@ def warm_up_grids(extent, stride) -> list[tuple[int, int, int]]:
 
 def warm_up_runs(volumes, options=None) -> list[WarmUpRun]:
     """The series a warm-up denoises: for each T of ``volumes``, the options' mode (``options``: the keyword
-    arguments of ``denoise``; the defaults when None) and dwidenoise's mode, each on both
-    ``warm_up_grids`` of the extent a full-size series of T takes."""
-    from .. import DEFAULTS
+    arguments of ``denoise``; the defaults when None) and dwidenoise's mode (with the estimator given, as
+    dwidenoise's ``-estimator``), each on both ``warm_up_grids`` of the extent a full-size series of T takes."""
+    from .. import DEFAULTS, DWIDENOISE_MODE
 
-    options = dict(DEFAULTS, **(options or {}))
-    dwidenoise = dict(options, **DWIDENOISE_MODE)
+    given = options or {}
+    options = dict(DEFAULTS, **given)
+    dwidenoise = {**options, **DWIDENOISE_MODE, **{k: v for k, v in given.items() if k == "estimator"}}
     modes = [("the defaults" if options == DEFAULTS else "the options given", options)]
     if dwidenoise != options:
         modes.append(("dwidenoise's mode", dwidenoise))
