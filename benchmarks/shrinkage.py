@@ -2,8 +2,8 @@
 aggregations (``aggregation=...``) against each other on phantoms with a known truth.
 
 The phantoms of ``quality.py`` (the low-rank series at ranks 3 and 10 and noise 5 and 20, the head-shaped DWI
-phantom at noise 10 and 30), for every T in ``--volumes`` (default 32, 64, 128, 300), on a smaller grid
-(``--shape``, default 24x24x16) so that the whole table takes minutes on 2 cores. Each phantom is denoised
+phantom at noise 10 and 30), for every T in ``--volumes`` (default 32, 64, 128, 300), on quality.py's grid
+(``--shape``, default 48x48x32; about 8 minutes a value on 2 cores). Each phantom is denoised
 with our defaults and each filter (``--vary filter``, the default), each estimator (``--vary estimator``) or
 the two aggregations of every patch (``--vary aggregation``) on the CPU engine; the table gives the RMSE to
 the truth in the mask, its ratio to the default's (``hard``, ``exp2``, ``weighted``), the noise map's median
@@ -35,13 +35,12 @@ if str(HERE) not in sys.path:
 
 import cpu_peers as peers  # noqa: E402  (scoring)
 import harness  # noqa: E402
-from quality import FULL_DWI, FULL_LOWRANK, FULL_VOLUMES, parse_volumes, phantom_grid  # noqa: E402
+from quality import FULL_DWI, FULL_LOWRANK, FULL_SHAPE, FULL_VOLUMES, parse_volumes, phantom_grid  # noqa: E402
 
 from mppca_nipype.engine.estimators import ESTIMATORS, FILTERS  # noqa: E402
 
 #: What ``--vary`` may vary: the option's values, the first the baseline of the ratios.
 CHOICES = {"filter": FILTERS, "estimator": ESTIMATORS, "aggregation": ("weighted", "gaussian")}
-SHAPE = (24, 24, 16)
 
 
 def measure(args):
@@ -105,10 +104,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2, help="CPU worker processes (default: 2)")
     parser.add_argument("--volumes", type=parse_volumes, default=FULL_VOLUMES,
                         help="numbers of volumes T, comma-separated (default: 32,64,128,300)")
-    parser.add_argument("--shape", type=lambda text: tuple(int(v) for v in text.split(",")), default=SHAPE,
-                        help="the phantoms' grid X,Y,Z (default: 24,24,16)")
+    parser.add_argument("--shape", type=lambda text: tuple(int(v) for v in text.split(",")), default=FULL_SHAPE,
+                        help="the phantoms' grid X,Y,Z (default: quality.py's, 48,48,32)")
     parser.add_argument("--vary", choices=tuple(CHOICES), default="filter",
-                        help="the option compared: each filter (the default) or each estimator")
+                        help="the option compared: each filter (the default), estimator or aggregation")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "shrinkage.json")
     args = parser.parse_args(argv)
     run = harness.stamp()
