@@ -7,7 +7,10 @@ phase, complex Gaussian noise; seed 0) at ``--shape`` x ``--volumes`` (default 9
 
 - ``noise-in``: the true sigma given (``noise=``);
 - ``rician``, ``ncchi 4``: the magnitude noise floor (``noise_floor=``; ``coils=4`` for ``ncchi``);
-- ``optshrink``, ``optthresh``: the filters;
+- ``hard``, ``optthresh``: the other filters (the defaults' is ``optshrink``); ``exp2``, ``exp1``, ``med``:
+  the other estimators (the defaults' is ``olesen2023``); ``weighted``: the other weighted aggregation (the
+  defaults' is ``gaussian``); ``sphere``: spherical patches; ``2016 method``: hard thresholding, exp2 and
+  weighted aggregation together (the defaults before the method's options);
 - ``phase hann``, ``phase mppca``: complex data (``denoise_complex``, with the phase);
 - ``groups 4``: each voxel's mean per group of volumes removed (``demean="groups"``, the volumes in 4
   groups in turn);
@@ -54,11 +57,14 @@ OPTIONS = {
     "noise-in": {"noise": "true"},
     "rician": {"noise_floor": "rician"},
     "ncchi 4": {"noise_floor": "ncchi", "coils": 4},
-    "optshrink": {"filter": "optshrink"},
+    "hard": {"filter": "hard"},
     "optthresh": {"filter": "optthresh"},
+    "exp2": {"estimator": "exp2"},
     "exp1": {"estimator": "exp1"},
     "med": {"estimator": "med"},
-    "olesen2023": {"estimator": "olesen2023"},
+    "weighted": {"aggregation": "weighted"},
+    "sphere": {"shape": "sphere"},
+    "2016 method": {"estimator": "exp2", "filter": "hard", "aggregation": "weighted"},
     "phase hann": {"phase_method": "hann"},
     "phase mppca": {"phase_method": "mppca"},
     "groups 4": {"demean": "groups", "groups": "4"},

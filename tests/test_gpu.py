@@ -90,13 +90,29 @@ def test_patch_ranks_match_cpu(estimator, demean):
 
 @pytest.mark.parametrize("estimator", ["exp2", "exp1"])
 @pytest.mark.parametrize("demean", ["voxel", "volume", "none"])
-@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("uniform", 3), ("center", 1)])
+@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("uniform", 3), ("center", 1), ("gaussian", 2)])
 def test_gpu_matches_cpu_for_every_option(estimator, demean, aggregation, stride):
     noisy, _ = low_rank_phantom((30, 28, 20), n_volumes=32, rank=5, sigma=4.0, seed=stride)
     gpu, _ = compare(noisy, extent="auto", stride=stride, estimator=estimator, aggregation=aggregation,
                      demean=demean)
-    # voxel demeaning on a full grid of windows takes the box sums
-    assert gpu.info["gram_path"] == ("box" if demean == "voxel" and aggregation != "center" else "fused")
+    # voxel demeaning on a full grid of windows takes the box sums (uniform weights within each window)
+    assert gpu.info["gram_path"] == ("box" if demean == "voxel" and aggregation in ("weighted", "uniform")
+                                     else "fused")
+
+
+@pytest.mark.parametrize("aggregation, stride, demean, filter_name", [
+    ("gaussian", 2, "volume", "optshrink"), ("weighted", 3, "voxel", "hard"), ("center", 1, "none", "hard"),
+    ("uniform", 2, "volume", "optthresh")])
+def test_spheres_match_cpu(aggregation, stride, demean, filter_name):
+    """Spheres (radius 5 for extent 7, 4 for extent 5; clipped at the image's edges) on the compiled kernels,
+    with a mask and a voxel holding NaN."""
+    noisy, _ = low_rank_phantom((30, 28, 20), n_volumes=40, rank=5, sigma=4.0, seed=7)
+    noisy[3, 4, 5, 6] = np.nan
+    mask = np.ones(noisy.shape[:3], bool)
+    mask[:4] = False
+    gpu, _ = compare(noisy, mask, extent=7 if stride > 1 else 5, stride=stride, aggregation=aggregation,
+                     demean=demean, filter=filter_name, shape="sphere")
+    assert gpu.info["shape"] == "sphere" and gpu.info["gram_path"] == "fused"
 
 
 @pytest.mark.parametrize("estimator", ["med", "olesen2023"])
