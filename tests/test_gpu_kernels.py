@@ -633,15 +633,17 @@ def test_refined_ends_of_the_spectrum_are_far_closer_to_float64_than_float32():
 
 
 @interpreted
-@pytest.mark.parametrize("aggregation, stride", [("weighted", 2), ("center", 1)])
-def test_refined_gathered_runs_match_float64(kernels, monkeypatch, aggregation, stride):
+@pytest.mark.parametrize("aggregation, stride, filter_name", [("weighted", 2, "hard"), ("center", 1, "hard"),
+                                                              ("gaussian", 2, "optshrink")])
+def test_refined_gathered_runs_match_float64(kernels, monkeypatch, aggregation, stride, filter_name):
     """Gathered float32 runs with a full-eigenvector solver refine the spectrum's ends in float64 (with
-    blocks of 4 here, so that 14 x 14 matrices take the path) and match the float64 run."""
+    blocks of 4 here, so that 14 x 14 matrices take the path) and match the float64 run; a filter's weights
+    are taken over the refined block's vectors."""
     from mppca_nipype.engine.gpu import cusolver, pipeline, threshold
 
     noisy, _ = low_rank_phantom((7, 6, 5), n_volumes=14, rank=2, sigma=5.0, seed=6)
     data, _, finite, plan, options = prepared(noisy, extent=3, stride=stride, estimator="exp2",
-                                              aggregation=aggregation, demean="volume")
+                                              aggregation=aggregation, demean="volume", filter=filter_name)
     monkeypatch.setattr(cusolver, "REFINE_BLOCK", 4)
     monkeypatch.setattr(cusolver, "REFINE_MIN_ORDER", 8)
     monkeypatch.setattr(threshold, "REFINE_GUARD", 0)

@@ -365,13 +365,15 @@ def signal_projector(eigenvectors, rank, weights=None):
     """V_P V_P^T: the projector onto the ``rank`` leading eigenvectors of each patch; with ``weights``,
     V diag(w) V^T.
 
-    ``eigenvectors`` is (B, m, m) with eigenvectors as columns in ascending eigenvalue order; ``weights``
-    (B, m) in the same order (``component_weights``; 0 beyond each patch's ``rank`` leading ones).
+    ``eigenvectors`` is (B, m, k) with eigenvectors as columns in ascending eigenvalue order: all of them
+    (k = m), or the k leading ones (a refined block, which holds every kept one); ``weights`` (B, m) in the
+    same order (``component_weights``; 0 beyond each patch's ``rank`` leading ones), of which the k leading
+    ones are used.
     """
     xp = array_namespace(eigenvectors)
     m = eigenvectors.shape[-1]
     if weights is not None:
-        keep = xp.astype(weights, eigenvectors.dtype)
+        keep = xp.astype(weights[:, weights.shape[-1] - m:], eigenvectors.dtype)
     else:
         index = xp.arange(m, device=eigenvectors.device)[None, :]
         keep = xp.astype(index >= (m - rank)[:, None], eigenvectors.dtype)
