@@ -90,6 +90,27 @@ def test_optshrink_shrinks_less_the_stronger_the_component():
     assert np.all(np.diff(weights[1:]) > 0) and 0.99 < weights[-1] < 1
 
 
+@pytest.mark.parametrize("filter_name", ["optshrink", "optthresh"])
+def test_a_component_within_reach_of_the_cut_leaves_its_window_unsettled(filter_name):
+    """The cut in eigenvalue units is q sigma^2 c (c = (1 + sqrt(beta))^2 or lambda*(beta)^2): an eigenvalue
+    within (1 + c) uncertainties of it leaves the window unsettled; one beyond, or an uncertainty of 0, not."""
+    beta, q = 0.5, 100
+    c = (float(optimal_hard_threshold(np.asarray(beta))) ** 2 if filter_name == "optthresh"
+         else (1 + math.sqrt(beta)) ** 2)
+    cut = q * c  # sigma^2 = 1
+    offsets = np.array([0.5, -0.5, 3.0, -3.0, 1e-9])  # in units of (1 + c) uncertainties
+    eigenvalues = np.sort(np.stack([np.full(offsets.size, 0.2 * q), cut + offsets * (1 + c) * 1e-3,
+                                    np.full(offsets.size, 50.0 * q)], axis=1), axis=1)
+    sigma2 = np.ones(offsets.size)
+    weights, unsettled = component_weights(eigenvalues, np.full(offsets.size, 50), q, sigma2, filter_name,
+                                           np.full(offsets.size, 1e-3))
+    assert unsettled.tolist() == [True, True, False, False, True]
+    np.testing.assert_array_equal(weights, component_weights(eigenvalues, np.full(offsets.size, 50), q, sigma2,
+                                                             filter_name))
+    assert not component_weights(eigenvalues, np.full(offsets.size, 50), q, sigma2, filter_name,
+                                 np.zeros(offsets.size))[1][:4].any()
+
+
 def test_numpy_and_torch_agree():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(33)
@@ -135,7 +156,8 @@ def test_filters_leave_nonfinite_voxels_out_and_take_a_given_noise_level(filter_
 def test_optshrink_changes_the_image_but_not_the_noise_map_at_center_aggregation():
     data, mask, extent = case_data("time-side", seed=42)
     options = dict(extent=extent, stride=1, aggregation="center", demean="none", estimator="exp2")
-    hard, shrunk = run_engine(data, mask, **options, filter="hard"), run_engine(data, mask, **options, filter="optshrink")
+    hard = run_engine(data, mask, **options, filter="hard")
+    shrunk = run_engine(data, mask, **options, filter="optshrink")
     assert np.array_equal(hard.sigma, shrunk.sigma)
     assert not np.array_equal(hard.denoised, shrunk.denoised)
 

@@ -306,7 +306,7 @@ def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype
     forms = lapack.eigenvalues(gram)
     clock.lap("eigenvalues")
     values = forms.eigenvalues.astype(np.float64, copy=False)
-    unsettled = None
+    unsettled = uncertainty = None
     if options.noise_given:
         sigma2 = given_noise_variance(options.noise_variance, voxels, took_part)
         rank = given_noise_threshold(values, n_voxels, n_volumes, sigma2)
@@ -321,11 +321,13 @@ def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype
         lambda_plus = marchenko_pastur_edge(sigma2, rank, n_voxels, n_volumes,
                                             None if options.noise_given else options.estimator)
     weights = None
-    if options.filter != "hard":  # the noise level as known: the filter's weights decide what is kept
+    if options.filter != "hard" and uncertainty is None:  # the noise level as known: the weights decide
         weights = component_weights(values, n_voxels, n_volumes, sigma2, options.filter)
         rank = np.count_nonzero(weights, axis=1).astype(np.int64)
-        if unsettled is not None:  # the filter's cut may fall inside the noise bulk (as the GPU's test)
-            unsettled |= unresolved_projectors(values, rank, np.maximum(values[:, -1], 0.0))
+    elif options.filter != "hard":  # in float32 as the GPU settles: the filter's cut, and its projector
+        weights, near_cut = component_weights(values, n_voxels, n_volumes, sigma2, options.filter, uncertainty)
+        rank = np.count_nonzero(weights, axis=1).astype(np.int64)
+        unsettled |= near_cut | unresolved_projectors(values, rank, np.maximum(values[:, -1], 0.0))
     clock.lap("threshold")
     return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part, weights, lambda_plus,
                          unsettled)

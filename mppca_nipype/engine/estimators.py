@@ -388,7 +388,7 @@ def optimal_hard_threshold(beta):
     return xp.sqrt(2.0 * (beta + 1.0) + 8.0 * beta / ((beta + 1.0) + xp.sqrt(beta * beta + 14.0 * beta + 1.0)))
 
 
-def component_weights(eigenvalues, n_voxels, n_volumes, sigma2, filter_name: str):
+def component_weights(eigenvalues, n_voxels, n_volumes, sigma2, filter_name: str, uncertainty=None):
     """Weight w_i of each component in a patch's reconstruction X V diag(w) V^T, for a filter of the
     singular values that takes the noise level as known.
 
@@ -404,20 +404,27 @@ def component_weights(eigenvalues, n_voxels, n_volumes, sigma2, filter_name: str
     filter_name : {"optshrink", "optthresh"}
         ``optshrink``: Gavish & Donoho's 2017 optimal shrinker for the Frobenius loss; ``optthresh``: their
         2014 optimal hard threshold for a known noise level.
+    uncertainty : (B, 1) or (B,) array, optional
+        As for ``marchenko_pastur_threshold``: how far each eigenvalue may be from the exact one (a float32
+        eigensolver's error). Then ``unsettled`` is returned too.
 
     Returns
     -------
     weights : (B, m) array
         eta(y_i) / y_i for the usable components with eta(y_i) > 0, else 0; in [0, 1], 0 or 1 for
         ``optthresh``. The kept components are the leading ones (eta grows with y).
+    unsettled : (B,) bool array, only with ``uncertainty``
+        Windows with an eigenvalue within reach of the filter's cut (the bulk edge, or the optimal threshold),
+        counting the error the noise level takes from the eigenvalues (up to the cut's multiple of it): which
+        components are kept may differ from the exact eigenvalues' choice.
 
     Notes
     -----
     The singular values of the patch matrix are sqrt(s_i); in units of sigma sqrt(q) (Gavish & Donoho scale
     the noise by 1 / sqrt(q), q the larger dimension) they are y_i = sqrt(lambda_i / sigma^2), lambda_i = s_i / q,
     with beta = r / q. ``optshrink``: eta(y) = sqrt((y^2 - beta - 1)^2 - 4 beta) / y for y >= 1 + sqrt(beta),
-    else 0 (GD 2017, the Frobenius loss's shrinker), so w = sqrt((t - beta - 1)^2 - 4 beta) / t with t = y^2. ``optthresh``: w = 1 for
-    y > lambda*(beta) (``optimal_hard_threshold``), else 0.
+    else 0 (GD 2017, the Frobenius loss's shrinker), so w = sqrt((t - beta - 1)^2 - 4 beta) / t with t = y^2.
+    ``optthresh``: w = 1 for y > lambda*(beta) (``optimal_hard_threshold``), else 0.
     """
     if filter_name not in FILTERS[1:]:
         raise ValueError(f"filter must be one of {FILTERS[1:]}, not {filter_name!r}")
@@ -431,10 +438,17 @@ def component_weights(eigenvalues, n_voxels, n_volumes, sigma2, filter_name: str
     t = xp.where(noiseless, xp.full_like(eigenvalues, float("inf")),
                  xp.clip(eigenvalues, min=0) / q[:, None] / xp.where(noiseless, xp.ones_like(sigma2), sigma2))
     zeros, ones = xp.zeros_like(eigenvalues), xp.ones_like(eigenvalues)
+    cut = optimal_hard_threshold(beta) ** 2 if filter_name == "optthresh" else (1.0 + xp.sqrt(beta)) ** 2
+    kept = usable & ((t > cut) if filter_name == "optthresh" else (t >= cut))
     if filter_name == "optthresh":
-        kept = usable & (t > optimal_hard_threshold(beta) ** 2)
-        return xp.where(kept, ones, zeros)
-    kept = usable & (t >= (1.0 + xp.sqrt(beta)) ** 2)
-    finite_t = xp.where(xp.isinf(t) | ~kept, ones, t)
-    shrunk = xp.sqrt(xp.clip((finite_t - beta - 1.0) ** 2 - 4.0 * beta, min=0)) / finite_t
-    return xp.where(kept, xp.where(xp.isinf(t), ones, shrunk), zeros)
+        weights = xp.where(kept, ones, zeros)
+    else:
+        finite_t = xp.where(xp.isinf(t) | ~kept, ones, t)
+        shrunk = xp.sqrt(xp.clip((finite_t - beta - 1.0) ** 2 - 4.0 * beta, min=0)) / finite_t
+        weights = xp.where(kept, xp.where(xp.isinf(t), ones, shrunk), zeros)
+    if uncertainty is None:
+        return weights
+    # the cut in eigenvalue units is q sigma^2 cut; sigma^2 moves by about the eigenvalues' error over q
+    reach = (1.0 + cut) * xp.reshape(xp.astype(xp.asarray(uncertainty, device=eigenvalues.device), dtype), (-1, 1))
+    near = usable & ~noiseless & (xp.abs(t - cut) * q[:, None] * sigma2 <= reach)
+    return weights, xp.any(near, axis=1)

@@ -162,14 +162,20 @@ class SlabWindows:
         if run.options.lambda_plus:  # the edge the threshold placed, at its own P (before a filter recounts it)
             edge = marchenko_pastur_edge(sigma2, patch_rank, usable_voxels, usable_volumes,
                                          None if run.noise_variance is not None else run.options.estimator)
-        weights = None
-        if run.options.filter != "hard":  # the noise level as known: the filter's weights decide what is kept
+        weights = near_cut = None
+        if run.options.filter != "hard" and delta is None:  # the noise level as known: the weights decide
             weights = component_weights(values, usable_voxels, usable_volumes, sigma2, run.options.filter)
+        elif run.options.filter != "hard":  # settled: an eigenvalue within reach of the filter's cut too
+            weights, near_cut = component_weights(values, usable_voxels, usable_volumes, sigma2,
+                                                  run.options.filter, delta)
+        if weights is not None:
             patch_rank = (weights > 0).sum(dim=1)
         keep = info == 0
         if selection.asked is not None:  # the places past the count hold no window (their numbers are unwritten)
             keep &= selection.asked
         if settle:
+            if near_cut is not None:
+                unsettled |= near_cut
             if refine:
                 unsettled |= patch_rank >= refine - threshold.REFINE_GUARD
             if rank_one or run.noise_variance is not None or weights is not None:
