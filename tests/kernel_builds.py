@@ -68,7 +68,7 @@ def build(kernel, values, options, capability):
 
 def cases():
     """(name, call) for each kernel variant the pipeline launches: every demeaning and Gram precision of the
-    fused kernels; the tridiagonal kernels in float32 and float64, with and without the rank-one term, at
+    fused kernels, the reconstruction with and without a weight per patch voxel; the tridiagonal kernels in float32 and float64, with and without the rank-one term, at
     m = 48 (a 16-lane projector launch and a full one) and 128; the threshold kernel for each estimator, with
     and without the settling test; the box sums' kernels; the float64 Gram and tridiagonal kernels with a
     count (the settling pass chosen on the device) and the reconstruction reading its float64 projectors;
@@ -100,6 +100,10 @@ def cases():
             yield (f"reconstruct_accumulate {demean} {str(precision)[6:]} projector",
                    lambda d=demean, v=volume_mean, p=precision: reconstruction.reconstruct_accumulate(
                        volume, finite, base, offsets, projector.to(p), *patch, *sums, demean=d, volume_mean=v))
+        yield (f"reconstruct_accumulate {demean} with a weight per patch voxel",  # the gaussian aggregation
+               lambda d=demean, v=volume_mean: reconstruction.reconstruct_accumulate(
+                   volume, finite, base, offsets, projector, *patch, *sums, demean=d, volume_mean=v,
+                   voxel_scale=torch.ones(n_voxels)))
         yield (f"reconstruct_centres {demean}",
                lambda d=demean, v=volume_mean: reconstruction.reconstruct_centres(
                    volume, torch.zeros(batch, dtype=torch.int64), torch.arange(batch, dtype=torch.int32),
