@@ -68,11 +68,12 @@ def build(kernel, values, options, capability):
 
 def cases():
     """(name, call) for each kernel variant the pipeline launches: every demeaning and Gram precision of the
-    fused kernels, the reconstruction with and without a weight per patch voxel; the tridiagonal kernels in float32 and float64, with and without the rank-one term, at
-    m = 48 (a 16-lane projector launch and a full one) and 128; the threshold kernel for each estimator, with
-    and without the settling test; the box sums' kernels; the float64 Gram and tridiagonal kernels with a
-    count (the settling pass chosen on the device) and the reconstruction reading its float64 projectors;
-    the division of the sums by their weights; the choice of the windows a settling pass redoes."""
+    fused kernels, the reconstruction with and without a weight per patch voxel; the tridiagonal kernels in
+    float32 and float64, with and without the rank-one term, at m = 48 (a 16-lane projector launch and a full
+    one) and 128; the threshold kernel for each estimator, with and without the settling test; the box sums'
+    kernels; the float64 Gram and tridiagonal kernels with a count (the settling pass chosen on the device) and
+    the reconstruction reading its float64 projectors; the division of the sums by their weights; the choice
+    of the windows a settling pass redoes."""
     from mppca_nipype.engine.estimators import ESTIMATORS
     from mppca_nipype.engine.gpu import boxsums, gram, reconstruction, settling, sums as slab_sums
     from mppca_nipype.engine.gpu.plan import plan_slabs

@@ -23,8 +23,9 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90():
     built = [line for line in child.stdout.splitlines() if line.startswith("built ")]
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
     # the distinct variants (a launch repeated with the same specialisation is built once): the fused Gram 9
-    # (each demeaning in float32, float64 and float64 counted), the reconstruction 9 (each demeaning with
-    # float32 and float64 projectors, and its centre rows), the tridiagonal values 5 and projectors 10 (a
-    # 16-lane and a full launch each), the threshold 8 (each estimator with and without the settling test), the
-    # box sums 3, the division 1, the choice of the windows a settling pass redoes 1
-    assert len(built) == 2 * 46, "\n".join(built)
+    # (each demeaning in float32, float64 and float64 counted), the reconstruction 12 (each demeaning with
+    # float32 and float64 projectors, with a weight per patch voxel, and its centre rows), the tridiagonal
+    # values 5 and projectors 10 (a 16-lane and a full launch each), the threshold 8 (each estimator with and
+    # without the settling test), the box sums 3, the division 1, the choice of the windows a settling pass
+    # redoes 1
+    assert len(built) == 2 * 49, "\n".join(built)
