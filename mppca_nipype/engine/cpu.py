@@ -435,7 +435,7 @@ def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pen
         stop = min(start + step, unit.stop)
         fit = fit_windows(volume, finite, plan, options, slice(start, stop), clock, dtype)
         restored = fit.reconstruct()
-        voxel_weight = window_voxel_weights(fit, options, plan, start, stop)
+        voxel_weight = window_voxel_weights(fit, options, plan, slice(start, stop))
         restored *= voxel_weight[:, :, None]
         if plan.sphere:  # a sphere's rows in its bounding cube, zeros elsewhere
             cube = np.zeros((len(restored), ex * ey * ez, n_volumes), dtype=restored.dtype)
@@ -452,11 +452,14 @@ def _add_slab(volume, finite, plan, options, unit, sums, turns, clock, step, pen
     deposit(unit, plan, sums, (image,) + maps, turns, clock, pending)
 
 
-def window_voxel_weights(windows, options, plan, start, stop):
-    """(B, n): each voxel's weight in the aggregation of windows ``start:stop`` (``WindowFit`` or
-    ``WindowSpectra``): the window's aggregation weight times its multiplicity; voxels left out get none."""
-    w = aggregation_weights(windows.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[start:stop]
-    return w[:, None] * windows.took_part * plan.voxel_weights(options.aggregation)
+def window_voxel_weights(windows, options, plan, numbers):
+    """(B, n): each voxel's weight in the aggregation of the plan's windows ``numbers`` (a slice or indices;
+    ``windows`` their ``WindowFit`` or ``WindowSpectra``): the window's aggregation weight times its
+    multiplicity, times the voxel's own factor (``PatchPlan.voxel_weights``); voxels left out get none."""
+    w = aggregation_weights(windows.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[numbers]
+    voxel_weight = w[:, None] * windows.took_part
+    scale = plan.voxel_weights(options.aggregation)
+    return voxel_weight if scale is None else voxel_weight * scale
 
 
 def add_window_maps(maps, windows, voxel_weight, slab_start):

@@ -44,7 +44,7 @@ def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK)
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
             spectra = settled_spectra(volume, finite, plan, options, slice(start, stop), clock, dtype)
-            voxel_weight = window_voxel_weights(spectra, options, plan, start, stop)
+            voxel_weight = window_voxel_weights(spectra, options, plan, slice(start, stop))
             add_window_maps((weight, sigma, rank), spectra, voxel_weight, slab_start)
         deposit(unit, plan, sums, (None, weight, sigma, rank), turns, clock, pending)
 

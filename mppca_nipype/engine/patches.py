@@ -237,12 +237,12 @@ class PatchPlan:
         """(n,) each patch voxel's index among its window's voxels (C order): 0..n-1 for a cuboid."""
         return patch_offsets(self.shape, self.extent, self.extent)
 
-    def voxel_weights(self, aggregation: str) -> np.ndarray:
-        """(n,) each patch voxel's spatial weight in the aggregation: 1, or for ``gaussian`` a Gaussian of its
-        distance from the window's centre (``gaussian_window_weights``)."""
+    def voxel_weights(self, aggregation: str) -> np.ndarray | None:
+        """(n,) each patch voxel's spatial factor on its window's weight: for ``gaussian`` a Gaussian of its
+        distance from the window's centre (``gaussian_window_weights``); None where every voxel counts alike."""
         if aggregation != "gaussian":
-            return np.ones(self.patch_size)
-        return gaussian_window_weights(self.extent)[self.patch_in_window]
+            return None
+        return gaussian_window_weights(tuple(self.extent))[self.patch_in_window]
 
     def window_base(self, windows=slice(None)) -> np.ndarray:
         """Flat index of the corner voxel of the given windows."""
@@ -257,12 +257,16 @@ class PatchPlan:
 GAUSSIAN_WIDTH = 1.0
 
 
-def gaussian_window_weights(extent) -> np.ndarray:
+@lru_cache(maxsize=8)
+def gaussian_window_weights(extent: tuple[int, int, int]) -> np.ndarray:
     """(prod(extent),) exp(-d^2 / 2) over a window's voxels (C order), d the distance from its centre with each
-    axis in units of ``GAUSSIAN_WIDTH`` times its half-extent (a half-extent of 1/2 for an axis of extent 1)."""
+    axis in units of ``GAUSSIAN_WIDTH`` times its half-extent (a half-extent of 1/2 for an axis of extent 1).
+    Computed once per extent (every batch of a run asks for it); read-only."""
     axes = [(np.arange(e) - (e - 1) / 2.0) / (GAUSSIAN_WIDTH * max((e - 1) / 2.0, 0.5)) for e in extent]
     d2 = axes[0][:, None, None] ** 2 + axes[1][None, :, None] ** 2 + axes[2][None, None, :] ** 2
-    return np.exp(-0.5 * d2).ravel()
+    weights = np.exp(-0.5 * d2).ravel()
+    weights.flags.writeable = False
+    return weights
 
 
 def flat_offsets(extent, spatial_shape) -> np.ndarray:

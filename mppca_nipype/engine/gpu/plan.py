@@ -327,8 +327,8 @@ class GPURun:
         self.window_base = plan.window_base()
         self.voxel_offsets = to_device(plan.voxel_offsets.astype(np.int32), device)
         # each patch voxel's factor on its window's weight, None where all are 1 (``PatchPlan.voxel_weights``)
-        self.voxel_scale = (to_device(plan.voxel_weights(options.aggregation).astype(np.float32), device)
-                            if options.aggregation == "gaussian" else None)
+        voxel_scale = plan.voxel_weights(options.aggregation)
+        self.voxel_scale = None if voxel_scale is None else to_device(voxel_scale.astype(np.float32), device)
         # a given noise level on the device: sigma^2, one number (one element) or a map of the series' rows
         self.noise_map = np.ndim(options.noise_variance) > 0
         self.noise_variance = (None if options.noise_variance is None

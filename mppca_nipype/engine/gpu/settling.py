@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..estimators import aggregation_weights
 from ..layout import voxel_rows
 from .batch import Chosen
 from .gram import fused_fits
@@ -274,7 +273,7 @@ def cpu_contributions(data, finite, plan, options, windows):
     """What the windows whose eigensolve failed on the device give, computed by the CPU backend's functions:
     ``(rows, (image, weight, sigma, rank[, lambda_plus]), replace)``: values to add into those rows, or for
     centre aggregation to write there (``replace``); lambda_plus where the options ask for it."""
-    from ..cpu import fit_windows
+    from ..cpu import fit_windows, window_voxel_weights
 
     n_volumes = data.shape[3]
     fit = fit_windows(voxel_rows(data), finite.reshape(-1), plan, options, windows)
@@ -288,8 +287,7 @@ def cpu_contributions(data, finite, plan, options, windows):
         if fit.lambda_plus is not None:
             values += (fit.lambda_plus[own],)
         return rows, values, True
-    w = aggregation_weights(fit.rank, options.mean_parameters, options.aggregation) * plan.multiplicity[windows]
-    voxel_weight = w[:, None] * fit.took_part * plan.voxel_weights(options.aggregation)
+    voxel_weight = window_voxel_weights(fit, options, plan, windows)
     values = ((restored * voxel_weight[:, :, None]).reshape(-1, n_volumes), voxel_weight.ravel(),
               (voxel_weight * np.sqrt(fit.sigma2)[:, None]).ravel(), (voxel_weight * fit.rank[:, None]).ravel())
     if fit.lambda_plus is not None:
