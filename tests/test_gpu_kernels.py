@@ -632,6 +632,84 @@ def test_refined_ends_of_the_spectrum_are_far_closer_to_float64_than_float32():
     np.testing.assert_allclose(projector.numpy(), top @ top.transpose(0, 2, 1), atol=1e-5)
 
 
+def _patch_grams(rng, n_voxels, n_volumes, rank, count):
+    """``count`` Gram matrices (T side) of volume-demeaned patches: ``rank`` components of decreasing strength
+    (some near the noise edge) in unit Gaussian noise."""
+    grams = []
+    for _ in range(count):
+        strength = np.geomspace(40.0, 1.3, rank) * np.sqrt(n_voxels)
+        signal = (rng.standard_normal((n_voxels, rank)) * strength) @ rng.standard_normal((rank, n_volumes))
+        patch = signal / np.sqrt(n_volumes) + rng.standard_normal((n_voxels, n_volumes))
+        patch -= patch.mean(axis=0)
+        grams.append(patch.T @ patch)
+    return torch.from_numpy(np.stack(grams))
+
+
+def test_leading_eigenpairs_are_within_their_bounds_and_keep_the_trace(monkeypatch):
+    """The block Krylov solver of the longest series: its kept Ritz values lie within their bounds of float64
+    LAPACK's eigenvalues (and the signal ones within 1e-9), the filled spectrum is ascending and sums to the
+    trace, its projector matches LAPACK's eigenvectors', and a window with too few usable dimensions is
+    reported failed with zeros rather than anything a reconstruction could spread."""
+    from mppca_nipype.engine.gpu import cusolver
+
+    monkeypatch.setattr(cusolver, "LEADING_BLOCK", 8)
+    monkeypatch.setattr(cusolver, "LEADING_STEPS", 12)
+    monkeypatch.setattr(cusolver, "LEADING_KEEP", 24)
+    rng = np.random.default_rng(21)
+    n_voxels, n_volumes, rank = 400, 240, 5
+    grams = _patch_grams(rng, n_voxels, n_volumes, rank, 4)
+    usable = torch.tensor([n_volumes, n_volumes, n_volumes, 90])  # the last: under 13 blocks of 8
+    solver = BatchedEigh("cpu")
+    values, info, bounds = solver.leading(grams, usable)
+    exact = np.linalg.eigvalsh(grams.numpy())
+    assert info.tolist() == [0, 0, 0, 1]
+    kept = values[:3, -24:].numpy()
+    errors = np.abs(kept - exact[:3, -24:])
+    assert (errors <= bounds[:3].numpy()).all()
+    assert errors[:, -rank:].max() < 1e-9 * exact[:3, -1].max()
+    assert bounds[:3, -rank:].max() < 1e-6 * exact[:3, -1].min()
+    assert (np.diff(values.numpy(), axis=1) >= 0).all()
+    np.testing.assert_allclose(values[:3].sum(dim=1).numpy(), np.trace(grams[:3].numpy(), axis1=1, axis2=2),
+                               rtol=1e-12)
+    assert float(values[3].abs().max()) == 0 and float(bounds[3].abs().max()) == 0
+    projector = solver.projector(torch.full((4,), rank))
+    _, vectors = np.linalg.eigh(grams.numpy())
+    top = vectors[:3, :, -rank:]
+    np.testing.assert_allclose(projector[:3].numpy(), top @ top.transpose(0, 2, 1), atol=1e-8)
+    assert float(projector[3].abs().max()) == 0
+    # the estimator's answer from the filled spectrum is the full one's
+    from mppca_nipype.engine.estimators import marchenko_pastur_threshold
+
+    counts = torch.full((3,), n_voxels - 1)
+    got_rank, got_sigma2 = marchenko_pastur_threshold(values[:3], counts, n_volumes, "olesen2023")
+    want_rank, want_sigma2 = marchenko_pastur_threshold(torch.from_numpy(exact[:3]), counts, n_volumes, "olesen2023")
+    assert got_rank.tolist() == want_rank.tolist()
+    np.testing.assert_allclose(got_sigma2.numpy(), want_sigma2.numpy(), rtol=1e-8)
+
+
+@interpreted
+@pytest.mark.parametrize("filter_name, noise, steps", [("optshrink", None, 12), ("hard", None, 12),
+                                                       ("optthresh", 30.0, 12), ("optshrink", None, 6)])
+def test_leading_eigenpairs_runs_match_cpu(kernels, monkeypatch, filter_name, noise, steps):
+    """A long series on the gathered path with ``olesen2023`` (or a given noise level) finds only the leading
+    eigenpairs (blocks of 8 here, so that 120 x 120 Grams take the path) and gives what the CPU backend gives
+    in float64, filters and given noise included. With 12 blocks every window settles; with 6 the first noise
+    eigenvalues' bounds are ~2% of them and every window is redone by the full eigensolve."""
+    from mppca_nipype.engine.gpu import cusolver
+
+    monkeypatch.setattr(cusolver, "LEADING_BLOCK", 8)
+    monkeypatch.setattr(cusolver, "LEADING_STEPS", steps)
+    monkeypatch.setattr(cusolver, "LEADING_KEEP", 16)
+    monkeypatch.setattr(cusolver, "LEADING_MIN_ORDER", 100)
+    noisy, _ = low_rank_phantom((11, 10, 10), n_volumes=120, rank=4, sigma=5.0, seed=17)
+    options = dict(extent=7, stride=3, estimator="olesen2023", aggregation="gaussian", demean="volume",
+                   filter=filter_name, noise=noise)
+    cpu, gpu, mask = run_both(noisy, path="gather", **options)
+    assert gpu.info["leading_eigenpairs"] and not gpu.info["eigenvalues_refined"]
+    assert gpu.info["n_settled_in_float64"] == (0 if steps == 12 else prepared(noisy, **options)[3].n_windows)
+    assert_same_denoising(cpu, gpu, mask)
+
+
 @interpreted
 @pytest.mark.parametrize("aggregation, stride, filter_name", [("weighted", 2, "hard"), ("center", 1, "hard"),
                                                               ("gaussian", 2, "optshrink")])

@@ -27,6 +27,10 @@ from array_api_compat import array_namespace as compat_namespace
 import numpy as np
 
 ESTIMATORS = ("exp2", "exp1", "med", "olesen2023")
+#: The estimators whose answer reads only the leading eigenvalues (down to the first noise-compatible P) and the
+#: trace: sigma^2(P) is the sum of the r - P smallest, the trace less the P largest. The GPU finds only the
+#: leading eigenpairs for them on the longest series (``gpu.cusolver.ProjectorFromVectors.leading``).
+LEADING_ESTIMATORS = ("olesen2023",)
 #: The estimators that test the spread of the noise eigenvalues (lambda_{P+1} - lambda_r, MRtrix3's dwidenoise);
 #: the others test the largest noise eigenvalue against the Marchenko-Pastur upper edge of their noise level.
 SPREAD_ESTIMATORS = ("exp2", "exp1")

@@ -7,8 +7,9 @@ box reconstructs them. ``SlabWindows.batch`` runs a batch with no host synchroni
 1. Gram matrices: the box sums' (the whole slab's, computed as its rows arrive: ``start``), the fused
    Triton kernel's (``gram.gram``), or the gathered path's (``gram.gather_gram``).
 2. Eigenvalues: the run's solver (``tridiagonal.TridiagonalEigh`` or ``cusolver.BatchedEigh``), with the
-   undemeaned patch's mean as a rank-one term (``takes_mean_apart``), or refined in float64 at both ends of
-   the spectrum on long series (``refine``); ``info`` stays on the device.
+   undemeaned patch's mean as a rank-one term (``takes_mean_apart``), refined in float64 at both ends of
+   the spectrum on long series (``refine``), or on the longest only the leading eigenpairs, in float64
+   (``GPURun.leading``); ``info`` stays on the device.
 3. The threshold and, in a float32 pass, the settling verdicts (``threshold``): an unsettled window gets
    weight 0 here and is redone by the settling pass (``settling``).
 4. The projector onto the kept eigenvectors (weighted by the filter's ``component_weights`` for a filter
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from ..estimators import aggregation_weights, component_weights, marchenko_pastur_edge, unresolved_projectors
-from . import reconstruction, threshold
+from . import cusolver, reconstruction, threshold
 from .gram import gather_gram, gram
 from .threshold import rounding_uncertainty, threshold_on_device
 from .upload import Upload, round_bounds, to_device
@@ -137,7 +138,8 @@ class SlabWindows:
         eigenvectors, m >= ``cusolver.REFINE_MIN_ORDER``) the patches and the Gram are float64, the eigensolver
         runs on the Gram rounded to ``dtype``, and the eigenvalues at both ends of the spectrum are refined in
         float64 (``ProjectorFromVectors.refine``): their far smaller error leaves far fewer windows unsettled on
-        long series."""
+        long series. With ``refine`` and ``GPURun.leading``, only the leading eigenpairs are found, in float64
+        (``ProjectorFromVectors.leading``): a window settles within their error bounds."""
         run, n_volumes = self.run, self.volume.shape[1]
         selection = self._select(windows)
         # no demeaning in float32 with the tridiagonal kernels: the Gram of the undemeaned patch is
@@ -145,19 +147,27 @@ class SlabWindows:
         # apart (``TridiagonalEigh.values(rank_one=...)``), so the patch's mean costs no precision
         rank_one = run.mean_apart and dtype == torch.float32
         grams, n_took_part, volume_mean, gathered = self._grams(windows, selection, dtype, fused, refine, rank_one)
-        values, info, scale = eigenvalues_of(run.solver, grams, dtype, refine, rank_one, n_took_part, volume_mean,
-                                             selection.count)
         # removing a mean costs one degree of freedom: along time (voxel) or along the voxels (volume)
         usable_voxels = n_took_part - 1 if run.demean == "volume" else n_took_part
         usable_volumes = n_volumes - int(run.demean == "voxel")
-        # refined eigenvalues settle with their own small slack where the decision reads the spectrum's ends
-        refined = refine and (run.noise_variance is not None
-                              or run.options.estimator in threshold.REFINED_ESTIMATORS)
-        delta = (rounding_uncertainty(values, threshold.REFINED_SETTLE_SLACK if refined else run.settle_slack, scale)
-                 if settle else None)
+        given = self._given_variance(selection, len(grams))
+        leading = bool(refine) and run.leading
+        if leading:
+            values, info, bounds = run.solver.leading(grams, usable_voxels.clamp(max=usable_volumes))
+            kept_block = cusolver.LEADING_KEEP
+            delta = (leading_uncertainty(values, bounds, usable_voxels, usable_volumes, run.options.estimator, given)
+                     if settle else None)
+        else:
+            values, info, scale = eigenvalues_of(run.solver, grams, dtype, refine, rank_one, n_took_part,
+                                                 volume_mean, selection.count)
+            kept_block = refine
+            # refined eigenvalues settle with their own small slack where the decision reads the spectrum's ends
+            refined = refine and (run.noise_variance is not None
+                                  or run.options.estimator in threshold.REFINED_ESTIMATORS)
+            delta = (rounding_uncertainty(values, threshold.REFINED_SETTLE_SLACK if refined else run.settle_slack,
+                                          scale) if settle else None)
         patch_rank, sigma2, unsettled = threshold_on_device(values, usable_voxels, usable_volumes,
-                                                            run.options.estimator, delta,
-                                                            self._given_variance(selection, len(values)))
+                                                            run.options.estimator, delta, given)
         edge = None
         if run.options.lambda_plus:  # the edge the threshold placed, at its own P (before a filter recounts it)
             edge = marchenko_pastur_edge(sigma2, patch_rank, usable_voxels, usable_volumes,
@@ -176,13 +186,13 @@ class SlabWindows:
         if settle:
             if near_cut is not None:
                 unsettled |= near_cut
-            if refine:
-                unsettled |= patch_rank >= refine - threshold.REFINE_GUARD
+            if kept_block:
+                unsettled |= patch_rank >= kept_block - threshold.REFINE_GUARD
             if rank_one or run.noise_variance is not None or weights is not None:
                 # (a given level may cut inside the noise bulk, where float32 mixes the eigenvectors on both
                 # sides of the cut: such windows are redone in float64)
                 unsettled |= unresolved_projectors(values, patch_rank,
-                                                   values[:, -1].clamp(min=0) if scale is None else scale)
+                                                   values[:, -1].clamp(min=0) if leading or scale is None else scale)
             keep &= ~unsettled
             self._record_verdicts()
         projector = run.solver.projector(patch_rank, weights)
@@ -338,6 +348,18 @@ def _add_gathered(run, sums, selection, gathered, projector, patch_weight, patch
     flat = voxels.reshape(-1)
     for target, addend in zip(sums.tensors(), addends):
         target.index_add_(0, flat, addend)
+
+
+def leading_uncertainty(values, bounds, usable_voxels, usable_volumes, estimator, given):
+    """(B, 1): how far the eigenvalues a window's rank reads may be from the true ones, for leading eigenpairs
+    (``ProjectorFromVectors.leading``'s ``values`` and ``bounds``): the largest bound among the rank's
+    components and the two below them (the first noise eigenvalues, which the estimator tests), the rank as
+    the values give it."""
+    rank, _, _ = threshold_on_device(values, usable_voxels, usable_volumes, estimator, None, given)
+    keep = bounds.shape[1]
+    index = torch.arange(keep, device=bounds.device)[None, :]
+    read = index >= keep - (rank + 2).clamp(max=keep)[:, None]
+    return torch.where(read, bounds, 0.0).amax(dim=1, keepdim=True)
 
 
 def eigenvalues_of(solver, grams, dtype, refine, rank_one, n_took_part, volume_mean, count=None):

@@ -30,6 +30,7 @@ import torch
 
 from ..backend import GIB
 from ..errors import GPUOutOfMemoryError, is_out_of_memory
+from ..estimators import LEADING_ESTIMATORS
 from . import boxsums, cusolver, threshold
 from .cusolver import BatchedEigh, ProjectorFromVectors
 from .gram import fused_fits
@@ -123,11 +124,16 @@ def eigensolver_for(name, device, m, dtype):
     return BatchedEigh(device)
 
 
-def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, refine=False, lambda_plus=False):
+def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, refine=False, lambda_plus=False,
+                      leading=False):
     m = min(n_voxels, n_volumes)
     size = torch.empty((), dtype=dtype).element_size()
     per_window = m * m * (2 * size + 4) + 16 * m * 8 + 4 * n_volumes + workspace_per_window
-    if refine:  # the float64 Gram, vectors and products beside the solver's copy; patches in float64
+    if leading:  # the float64 Gram, the Krylov basis and its products, the projected matrix and its copies
+        width = cusolver.LEADING_BLOCK * cusolver.LEADING_STEPS
+        per_window += m * m * 8 + m * width * 8 * 4 + width * width * 8 * 3
+        size = 8
+    elif refine:  # the float64 Gram, vectors and products beside the solver's copy; patches in float64
         per_window += m * m * (8 + 8 + 8 + size)
         size = 8
     if not fused:  # gathered patches (float32 and compute precision), restored, indices
@@ -203,16 +209,21 @@ def torch_holds(device) -> tuple[int, int]:
 
 
 def batch_size(memory, n_windows, n_voxels, n_volumes, dtype, fused, solver, max_batch=None, refine=False,
-               lambda_plus=False) -> int:
+               lambda_plus=False, leading=False) -> int:
     """Windows per batch: what ``MEMORY_SHARE`` of the memory the run may still take holds (``memory``:
-    ``DeviceMemory``), at most ``MAX_BATCH``; ``lambda_plus``: the run adds each window's lambda_+ too."""
+    ``DeviceMemory``), at most ``MAX_BATCH``; ``lambda_plus``: the run adds each window's lambda_+ too;
+    ``leading``: the solver finds the leading eigenpairs alone (``GPURun.leading``)."""
     cap = min(max_batch or MAX_BATCH, max(n_windows, 1))
     free = memory.free()
     if math.isinf(free):
         return cap
     probe = 256
-    workspace = solver.workspace_bytes(probe, min(n_voxels, n_volumes), dtype) / probe
-    per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine, lambda_plus)
+    if leading:  # its eigensolve is of the projected matrices, in float64
+        workspace = solver.workspace_bytes(probe, cusolver.LEADING_BLOCK * cusolver.LEADING_STEPS,
+                                           torch.float64) / probe
+    else:
+        workspace = solver.workspace_bytes(probe, min(n_voxels, n_volumes), dtype) / probe
+    per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine, lambda_plus, leading)
     return int(max(1, min(cap, MEMORY_SHARE * max(free, 0) // per_window)))
 
 
@@ -339,6 +350,7 @@ class GPURun:
         self._settled_counts = None  # their copies on the host (``download_counts``)
         self.fused = None  # the paths, set with the first slab (``choose_paths``)
         self.refine = 0  # block size of the refinement (0: none)
+        self.leading = False  # whether a refined run finds the leading eigenpairs alone (``choose_paths``)
         self.mean_apart = False  # float32 first pass of an undemeaned run, fused, tridiagonal
         self.takes_box_sums = False  # whether the first pass may take ``boxsums``
         self.n_box_slabs = 0
@@ -359,6 +371,10 @@ class GPURun:
         refines = (self.settle and not self.fused and isinstance(self.solver, ProjectorFromVectors)
                    and m >= cusolver.REFINE_MIN_ORDER)
         self.refine = cusolver.refine_block(m) if refines else 0
+        # on the longest series, where the estimate reads only the leading eigenvalues and the trace, a block
+        # Krylov space finds those alone, for far less than the full eigensolve (``cusolver.LEADING_MIN_ORDER``)
+        self.leading = bool(self.refine) and m >= cusolver.LEADING_MIN_ORDER and (
+            self.noise_variance is not None or self.options.estimator in LEADING_ESTIMATORS)
         self.mean_apart = (self.fused and self.demean == "none" and self.dtype == torch.float32
                            and isinstance(self.solver, TridiagonalEigh))
         self.takes_box_sums = (self.path in ("auto", "box") and boxsums.applies(
@@ -378,9 +394,10 @@ class GPURun:
 
     def batch_size(self, n_windows, n_volumes, dtype=None, fused=None, refine=None) -> int:
         """``batch_size`` for this run's patch and solver (default: the first pass's precision and paths)."""
+        refine = self.refine if refine is None else refine
         return batch_size(self.memory, n_windows, self.plan.patch_size, n_volumes, dtype or self.dtype,
                           self.fused if fused is None else fused, self.solver, self.max_batch,
-                          self.refine if refine is None else refine, self.options.lambda_plus)
+                          refine, self.options.lambda_plus, leading=bool(refine) and self.leading)
 
     @property
     def gram_path(self):
