@@ -41,7 +41,7 @@ from mppca_nipype.phantoms import multi_echo_phantom  # noqa: E402
 
 ECHO_TIMES = (14.0, 38.0, 62.0)
 #: What each joint row records of the engine's ``info``.
-ENGINE_INFO = ("n_windows", "seconds_engine", "leading_eigenpairs", "n_settled_in_float64", "gram_path")
+ENGINE_INFO = ("n_windows", "seconds_engine", "seconds", "leading_eigenpairs", "n_settled_in_float64", "gram_path")
 
 
 def parse_extent(text: str):

@@ -33,6 +33,7 @@ import torch
 
 from ..estimators import aggregation_weights, component_weights, marchenko_pastur_edge, unresolved_projectors
 from . import cusolver, reconstruction, threshold
+from .cusolver import ProjectorFromVectors
 from .gram import gather_gram, gram
 from .threshold import rounding_uncertainty, threshold_on_device
 from .upload import Upload, round_bounds, to_device
@@ -195,7 +196,10 @@ class SlabWindows:
                                                    values[:, -1].clamp(min=0) if leading or scale is None else scale)
             keep &= ~unsettled
             self._record_verdicts()
-        projector = run.solver.projector(patch_rank, weights)
+        # the gathered path applies a block's few vectors as two thin products (``signal_factors``)
+        factors = (run.solver.projector_factors(patch_rank, weights)
+                   if gathered is not None and isinstance(run.solver, ProjectorFromVectors) else None)
+        projector = run.solver.projector(patch_rank, weights) if factors is None else factors
         if run.center:
             patch_weight = keep.to(torch.float32)
         else:  # where, not a product: a place left unwritten may hold any number
@@ -322,13 +326,19 @@ class SlabWindows:
 
 
 def _add_gathered(run, sums, selection, gathered, projector, patch_weight, patch_sigma, patch_rank):
-    """The gathered path's reconstruction (torch): each patch times its projector, the means put back,
+    """The gathered path's reconstruction (torch): each patch times its projector (a matrix, or the two
+    factors of one: ``ProjectorFromVectors.projector_factors``), the means put back,
     written at the centre rows or added with the windows' weights into the sums. Every addend is made before
     the first is added."""
     patches, means, took_part, voxels = gathered
     n_volumes = patches.shape[2]
-    projector = projector.to(patches.dtype)
-    restored = patches @ projector if patches.shape[1] >= n_volumes else projector @ patches
+    time_side = patches.shape[1] >= n_volumes  # the Gram's side: the projector acts on time, else on voxels
+    if isinstance(projector, tuple):  # (V diag(w), V): two thin products
+        kept, vectors = (factor.to(patches.dtype) for factor in projector)
+        restored = (patches @ kept) @ vectors.mT if time_side else kept @ (vectors.mT @ patches)
+    else:
+        projector = projector.to(patches.dtype)
+        restored = patches @ projector if time_side else projector @ patches
     if means is not None:
         restored = restored + means
     if run.center:

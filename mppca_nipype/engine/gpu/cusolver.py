@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from ..errors import MPPCAWarning
-from ..estimators import signal_projector
+from ..estimators import signal_factors, signal_projector
 
 _CUDA_DATA_TYPE = {torch.float32: 0, torch.float64: 1}  # cudaDataType: CUDA_R_32F, CUDA_R_64F
 _EIG_MODE_NOVECTOR, _EIG_MODE_VECTOR = 0, 1  # cusolverEigMode_t
@@ -76,6 +76,13 @@ class ProjectorFromVectors:
 
     def projector(self, rank, weights=None):
         return signal_projector(self._vectors, rank, weights)
+
+    def projector_factors(self, rank, weights=None):
+        """``projector``'s two factors (``estimators.signal_factors``) where the solver keeps fewer eigenvectors
+        than the matrices' order (``refine``'s and ``leading``'s blocks), else None."""
+        if self._vectors.shape[-1] == self._vectors.shape[-2]:
+            return None
+        return signal_factors(self._vectors, rank, weights)
 
     def refine(self, matrices, block):
         """The eigenvalues of ``matrices`` (the matrices ``values`` saw, in float64) where the MP estimator
