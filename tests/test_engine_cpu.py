@@ -107,7 +107,7 @@ def test_the_float32_first_pass_in_float64_matches_the_reference_as_closely(monk
     float32 pass's looser noise level is its precision, not the method's)."""
     from mppca_nipype.engine import cpu
 
-    monkeypatch.setattr(cpu, "first_pass_dtype", lambda options, m: np.float64)
+    monkeypatch.setattr(cpu, "first_pass_dtype", lambda options: np.float64)
     data, mask, extent = case_data("time-side")
     result, _ = assert_matches_reference(data, mask, extent=extent, stride=stride, aggregation=aggregation,
                                          demean=demean, estimator=estimator)
@@ -135,7 +135,7 @@ def test_the_float32_first_pass_gives_float64_ranks_and_redoes_what_it_cannot_se
     monkeypatch.setattr(cpu, "SETTLE_SLACK", 1e30)
     redone.clear()
     every = denoise(data, **options)
-    monkeypatch.setattr(cpu, "first_pass_dtype", lambda options, m: np.float64)
+    monkeypatch.setattr(cpu, "first_pass_dtype", lambda options: np.float64)
     exact = denoise(data, **options)
     assert first.info["gram_precision"] == "float32" and exact.info["gram_precision"] == "float64"
     np.testing.assert_array_equal(first.rank, exact.rank)

@@ -632,20 +632,32 @@ def test_refined_ends_of_the_spectrum_are_far_closer_to_float64_than_float32():
     np.testing.assert_allclose(projector.numpy(), top @ top.transpose(0, 2, 1), atol=1e-5)
 
 
+def _patch_grams(rng, n_voxels, n_volumes, rank, count):
+    """``count`` Gram matrices (T side) of volume-demeaned patches: ``rank`` components of decreasing strength
+    (some near the noise edge) in unit Gaussian noise."""
+    grams = []
+    for _ in range(count):
+        strength = np.geomspace(40.0, 1.3, rank) * np.sqrt(n_voxels)
+        signal = (rng.standard_normal((n_voxels, rank)) * strength) @ rng.standard_normal((rank, n_volumes))
+        patch = signal / np.sqrt(n_volumes) + rng.standard_normal((n_voxels, n_volumes))
+        patch -= patch.mean(axis=0)
+        grams.append(patch.T @ patch)
+    return torch.from_numpy(np.stack(grams))
+
+
 def test_leading_eigenpairs_are_within_their_bounds_and_keep_the_trace(monkeypatch):
     """The block Krylov solver of the longest series: its kept Ritz values lie within their bounds of float64
     LAPACK's eigenvalues (and the signal ones within 1e-9), the filled spectrum is ascending and sums to the
     trace, its projector matches LAPACK's eigenvectors', and a window with too few usable dimensions is
     reported failed with zeros rather than anything a reconstruction could spread."""
-    from mppca_nipype.engine import leading
-    from test_leading import patch_grams
+    from mppca_nipype.engine.gpu import cusolver
 
-    monkeypatch.setattr(leading, "BLOCK", 8)
-    monkeypatch.setattr(leading, "STEPS", 12)
-    monkeypatch.setattr(leading, "KEEP", 24)
+    monkeypatch.setattr(cusolver, "LEADING_BLOCK", 8)
+    monkeypatch.setattr(cusolver, "LEADING_STEPS", 12)
+    monkeypatch.setattr(cusolver, "LEADING_KEEP", 24)
     rng = np.random.default_rng(21)
     n_voxels, n_volumes, rank = 400, 240, 5
-    grams = torch.from_numpy(patch_grams(rng, n_voxels, n_volumes, rank, 4))
+    grams = _patch_grams(rng, n_voxels, n_volumes, rank, 4)
     usable = torch.tensor([n_volumes, n_volumes, n_volumes, 90])  # the last: under 13 blocks of 8
     solver = BatchedEigh("cpu")
     values, info, bounds = solver.leading(grams, usable)
@@ -683,13 +695,12 @@ def test_leading_eigenpairs_runs_match_cpu(kernels, monkeypatch, filter_name, no
     eigenpairs (blocks of 8 here, so that 120 x 120 Grams take the path) and gives what the CPU backend gives
     in float64, filters and given noise included. With 12 blocks every window settles; with 6 the first noise
     eigenvalues' bounds are ~2% of them and every window is redone by the full eigensolve."""
-    from mppca_nipype.engine import leading
+    from mppca_nipype.engine.gpu import cusolver
 
-    monkeypatch.setattr(leading, "BLOCK", 8)
-    monkeypatch.setattr(leading, "STEPS", steps)
-    monkeypatch.setattr(leading, "KEEP", 16)
-    monkeypatch.setattr(leading, "GPU_MIN_ORDER", 100)
-    monkeypatch.setattr(leading, "CPU_MIN_ORDER", 100)
+    monkeypatch.setattr(cusolver, "LEADING_BLOCK", 8)
+    monkeypatch.setattr(cusolver, "LEADING_STEPS", steps)
+    monkeypatch.setattr(cusolver, "LEADING_KEEP", 16)
+    monkeypatch.setattr(cusolver, "LEADING_MIN_ORDER", 100)
     noisy, _ = low_rank_phantom((11, 10, 10), n_volumes=120, rank=4, sigma=5.0, seed=17)
     options = dict(extent=7, stride=3, estimator="olesen2023", aggregation="gaussian", demean="volume",
                    filter=filter_name, noise=noise)

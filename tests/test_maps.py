@@ -87,7 +87,7 @@ def test_lambda_plus_is_each_patchs_edge_aggregated_as_sigma(monkeypatch, aggreg
         np.testing.assert_allclose(result.lambda_plus, expected, rtol=2e-3, atol=1e-6 * expected.max())
         from mppca_nipype.engine import cpu
 
-        monkeypatch.setattr(cpu, "first_pass_dtype", lambda options, m: np.float64)
+        monkeypatch.setattr(cpu, "first_pass_dtype", lambda options: np.float64)
         exact = denoise(noisy, mask, device="cpu", nprocs=1, maps="lambda_plus", **options)
         assert exact.info["gram_precision"] == "float64"
         np.testing.assert_allclose(exact.lambda_plus, expected, rtol=1e-5, atol=1e-6 * expected.max())

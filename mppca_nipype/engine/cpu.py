@@ -42,7 +42,7 @@ import warnings
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from . import lapack, leading
+from . import lapack
 from .backend import PatchSums, available_cpus
 from .errors import MPPCAWarning
 from .estimators import (aggregation_weights, component_weights, given_noise_threshold,
@@ -59,10 +59,6 @@ BATCH_BYTES = 12 * 2**20
 #: errors were a median of 0.8-1.2 roundings; at 2, 4.9% of the windows are redone (the four estimators) and
 #: none whose rank differs from float64's is missed (docs/benchmarks.md, "The CPU's float32 first pass").
 SETTLE_SLACK = 2.0
-
-#: A Krylov block whose small Gram's eigenvalues span more than 1 / this has lost its rank (``_orthonormal``):
-#: the window is decomposed in full.
-LOST_RANK = 1e-12
 
 #: When true, ``denoise_cpu`` times each phase of the work in the workers and the parent and reports it in
 #: ``info["profile"]`` (``PhaseClock``); when false the phases are not timed.
@@ -201,53 +197,6 @@ class WindowFit:
 
 
 @dataclass
-class RitzForms:
-    """A batch's leading eigenpairs (``leading.leading_eigenpairs``) where ``lapack.TridiagonalForms`` would
-    be: ``eigenvalues`` (B, m) ascending (the kept ones on top), ``vectors`` (B, m, ``leading.KEEP``), and
-    ``failed`` (B,) bool: windows to decompose in full instead (the space broke down)."""
-
-    eigenvalues: np.ndarray
-    vectors: np.ndarray
-    failed: np.ndarray
-
-    def leading_eigenvectors(self, rank) -> np.ndarray:
-        """``lapack.leading_eigenvectors``' (B, m, m): each window's ``rank`` leading Ritz vectors in its last
-        columns, zeros elsewhere."""
-        batch, m, keep = self.vectors.shape
-        vectors = np.zeros((batch, m, m))
-        kept = np.arange(keep)[None, :] >= (keep - np.minimum(rank, keep))[:, None]
-        vectors[:, :, m - keep:] = self.vectors * kept[:, None, :]
-        return vectors
-
-
-def _orthonormal(block):
-    """(Q, failed): ``block`` (B, m, b) made orthonormal by the eigenvectors of its small Gram (Q = W U
-    S^(-1/2), twice), and (B,) bool where it lost its rank (the CPU's ``orthonormal`` for
-    ``leading.leading_eigenpairs``: unlike Cholesky, it cannot fail for one window and stop the batch)."""
-    failed = np.zeros(block.shape[0], bool)
-    for _ in range(2):
-        spread, turn = np.linalg.eigh(np.matmul(block.transpose(0, 2, 1), block))
-        lost = spread[:, :1] <= LOST_RANK * spread[:, -1:]
-        failed |= lost[:, 0]
-        block = np.matmul(block, turn / np.sqrt(np.maximum(spread, LOST_RANK * spread[:, -1:]))[:, None, :])
-    return block, failed
-
-
-def _eigh(matrices):
-    """(values, vectors, failed) of symmetric (B, k, k) ``matrices``: the CPU's ``eigh`` for
-    ``leading.leading_eigenpairs``."""
-    values, vectors = np.linalg.eigh(matrices)
-    return values, vectors, np.zeros(len(matrices), bool)
-
-
-def leading_eigenvectors(forms, rank) -> np.ndarray:
-    """(B, m, m): the ``rank`` leading eigenvectors of each window's forms (``lapack`` or ``RitzForms``)."""
-    if isinstance(forms, RitzForms):
-        return forms.leading_eigenvectors(rank)
-    return lapack.leading_eigenvectors(forms, rank)
-
-
-@dataclass
 class WindowSpectra:
     """The eigenvalues of a batch of windows and what the threshold made of them: ``forms`` (``lapack``, the
     eigenvalues and what ``leading_eigenvectors`` continues from), ``rank`` and ``sigma2`` (B,), and the
@@ -256,7 +205,7 @@ class WindowSpectra:
 
     patches: np.ndarray
     means: np.ndarray | None
-    forms: lapack.TridiagonalForms | RitzForms
+    forms: lapack.TridiagonalForms
     time_side: bool
     rank: np.ndarray
     sigma2: np.ndarray
@@ -267,30 +216,27 @@ class WindowSpectra:
     unsettled: np.ndarray | None = None
 
 
-def first_pass_dtype(options, m: int):
+def first_pass_dtype(options):
     """float32 where the patches are demeaned and the rank's settling test exists
     (``estimators.marchenko_pastur_threshold``'s uncertainty: every estimator and filter, the noise
-    estimated) and m x m Grams take the full eigensolve; float64 elsewhere (``leading.applies``: the leading
-    eigenpairs are found in float64)."""
-    ritz = leading.applies(options, m, leading.CPU_MIN_ORDER)
-    if options.demean in ("voxel", "volume") and not options.noise_given and not ritz:
+    estimated); float64 elsewhere."""
+    if options.demean in ("voxel", "volume") and not options.noise_given:
         return np.float32
     return np.float64
 
 
-def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype=np.float64, full=False) -> WindowFit:
+def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype=np.float64) -> WindowFit:
     """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and run MP-PCA on
     each: Gram matrix, all its eigenvalues, the threshold (``window_spectra``), then the kept eigenvectors
-    (``lapack``). ``clock`` is charged with each step (``PhaseClock``). In ``dtype`` float32, or with only the
-    leading eigenpairs found (``leading``; ``full``: never), the windows that cannot settle are fitted again
-    in float64 by the full eigensolve (``take_exact``)."""
-    spectra = window_spectra(volume, finite, plan, options, windows, clock, dtype, full=full)
-    eigenvectors = leading_eigenvectors(spectra.forms, spectra.rank)
+    (``lapack``). ``clock`` is charged with each step (``PhaseClock``). In ``dtype`` float32, the windows
+    float32 cannot settle are fitted again in float64 (``take_exact``)."""
+    spectra = window_spectra(volume, finite, plan, options, windows, clock, dtype)
+    eigenvectors = lapack.leading_eigenvectors(spectra.forms, spectra.rank)
     clock.lap("eigenvectors")
     fit = WindowFit(spectra.patches, spectra.means, eigenvectors, spectra.time_side, spectra.rank,
                     spectra.sigma2, spectra.voxels, spectra.took_part, spectra.weights, spectra.lambda_plus)
     if spectra.unsettled is not None and spectra.unsettled.any():
-        exact = fit_windows(volume, finite, plan, options, _numbers(windows)[spectra.unsettled], full=True)
+        exact = fit_windows(volume, finite, plan, options, _numbers(windows)[spectra.unsettled])
         take_exact(fit, spectra.unsettled, exact)
         fit.eigenvectors[spectra.unsettled] = exact.eigenvectors
         clock.lap("float64 redo")
@@ -298,11 +244,11 @@ def fit_windows(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype=np
 
 
 def settled_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype=np.float64) -> WindowSpectra:
-    """``window_spectra`` in ``dtype``, with the windows that cannot settle thresholded again in float64 by the
-    full eigensolve (``take_exact``): the ranks and noise levels ``fit_windows`` gives."""
+    """``window_spectra`` in ``dtype``, with the windows float32 cannot settle thresholded again in float64
+    (``take_exact``): the ranks and noise levels ``fit_windows`` gives."""
     spectra = window_spectra(volume, finite, plan, options, windows, clock, dtype)
     if spectra.unsettled is not None and spectra.unsettled.any():
-        exact = window_spectra(volume, finite, plan, options, _numbers(windows)[spectra.unsettled], full=True)
+        exact = window_spectra(volume, finite, plan, options, _numbers(windows)[spectra.unsettled])
         take_exact(spectra, spectra.unsettled, exact)
         clock.lap("float64 redo")
     return spectra
@@ -324,15 +270,12 @@ def _numbers(windows):
     return np.arange(windows.start, windows.stop) if isinstance(windows, slice) else np.asarray(windows)
 
 
-def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype=np.float64,
-                   full=False) -> WindowSpectra:
+def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype=np.float64) -> WindowSpectra:
     """Gather the windows ``windows`` (a slice or sorted indices) of the plan from the volume and threshold
     each: Gram matrix, all its eigenvalues (``lapack``), the Marchenko-Pastur rank and noise (or the given
     noise's rank), and for a filter other than ``hard`` each component's weight, the rank then being the number
     of weights above 0. No eigenvector is computed. In ``dtype`` float32 (``first_pass_dtype``'s cases) the
-    result's ``unsettled`` marks the windows float32 cannot settle. Where ``leading.applies`` (and not
-    ``full``), only the leading eigenpairs are found, in float64 (``RitzForms``, with their vectors), and
-    ``unsettled`` marks the windows whose rank their bounds leave open, or that they cannot serve."""
+    result's ``unsettled`` marks the windows float32 cannot settle."""
     base = plan.window_base(windows)
     voxels = base[:, None] + plan.voxel_offsets[None, :]
     patches = volume[voxels].astype(dtype, copy=False)  # (B, n, T); left-out voxels are rows of zeros
@@ -360,31 +303,13 @@ def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype
     else:
         gram = np.matmul(patches, patches.transpose(0, 2, 1))
     clock.lap("Gram")
-    m = gram.shape[-1]
-    ritz = not full and leading.applies(options, m, leading.CPU_MIN_ORDER)
-    if ritz:
-        r = np.minimum(n_voxels, n_volumes)
-        values, failed, bounds, vectors = leading.leading_eigenpairs(gram.astype(np.float64, copy=False), r,
-                                                                     leading.starting_block(m), _orthonormal, _eigh)
-        forms = RitzForms(values, vectors, failed)
-    else:
-        forms = lapack.eigenvalues(gram)
+    forms = lapack.eigenvalues(gram)
     clock.lap("eigenvalues")
     values = forms.eigenvalues.astype(np.float64, copy=False)
     unsettled = uncertainty = None
     if options.noise_given:
         sigma2 = given_noise_variance(options.noise_variance, voxels, took_part)
         rank = given_noise_threshold(values, n_voxels, n_volumes, sigma2)
-        if ritz:  # the rank under the eigenvalues moved by their bounds (it only grows with them)
-            uncertainty = leading.uncertainty(bounds, rank)
-            unsettled = ((given_noise_threshold(values + uncertainty, n_voxels, n_volumes, sigma2) != rank)
-                         | (given_noise_threshold(values - uncertainty, n_voxels, n_volumes, sigma2) != rank))
-            uncertainty = uncertainty[:, 0]
-    elif ritz:
-        rank, _ = marchenko_pastur_threshold(values, n_voxels, n_volumes, options.estimator)
-        uncertainty = leading.uncertainty(bounds, rank)[:, 0]
-        rank, sigma2, unsettled = marchenko_pastur_threshold(values, n_voxels, n_volumes, options.estimator,
-                                                             uncertainty)
     elif dtype == np.float32:
         uncertainty = SETTLE_SLACK * np.finfo(np.float32).eps * np.maximum(values[:, -1], 0.0)
         rank, sigma2, unsettled = marchenko_pastur_threshold(values, n_voxels, n_volumes, options.estimator,
@@ -399,14 +324,10 @@ def window_spectra(volume, finite, plan, options, windows, clock=NO_CLOCK, dtype
     if options.filter != "hard" and uncertainty is None:  # the noise level as known: the weights decide
         weights = component_weights(values, n_voxels, n_volumes, sigma2, options.filter)
         rank = np.count_nonzero(weights, axis=1).astype(np.int64)
-    elif options.filter != "hard":  # as the GPU settles: the filter's cut, and its projector
+    elif options.filter != "hard":  # in float32 as the GPU settles: the filter's cut, and its projector
         weights, near_cut = component_weights(values, n_voxels, n_volumes, sigma2, options.filter, uncertainty)
         rank = np.count_nonzero(weights, axis=1).astype(np.int64)
         unsettled |= near_cut | unresolved_projectors(values, rank, np.maximum(values[:, -1], 0.0))
-    if ritz:  # a rank decided outside the kept block, a space that broke down; a given level's projector
-        unsettled |= (rank >= leading.KEEP - leading.GUARD) | forms.failed
-        if options.noise_given and weights is None:
-            unsettled |= unresolved_projectors(values, rank, np.maximum(values[:, -1], 0.0))
     clock.lap("threshold")
     return WindowSpectra(patches, means, forms, time_side, rank, sigma2, voxels, took_part, weights, lambda_plus,
                          unsettled)
@@ -458,7 +379,7 @@ def run_unit(volume, finite, plan, options, unit: Unit, sums: PatchSums, turns: 
     Else the unit's windows add into a slab of its ``extent[0]`` x-planes, in plan order, and the slab is
     added into the sums plane by plane in the planes' turns (``PlaneTurns``)."""
     step = batch_size(plan.patch_size, volume.shape[1])
-    dtype = first_pass_dtype(options, min(plan.patch_size, volume.shape[1]))
+    dtype = first_pass_dtype(options)
     clock.lap("setup")
     if options.aggregation == "center":
         for start in range(unit.start, unit.stop, step):
@@ -736,10 +657,7 @@ def denoise_cpu(data, finite, plan, options, *, nprocs=None, progress=None):
     """Run the plan on the CPU and return the per-voxel sums (``engine.PatchSums``). With ``PROFILE`` set,
     ``info["profile"]`` says where the time went (``profile_summary``)."""
     sums = run_units(run_unit, data, finite, plan, options, nprocs=nprocs, progress=progress)
-    m = min(plan.patch_size, sums.image.shape[-1])
-    ritz = leading.applies(options, m, leading.CPU_MIN_ORDER)
-    sums.info.update(eigensolver="block Krylov, LAPACK sytrd/sterf/stein" if ritz else "LAPACK sytrd/sterf/stein",
-                     gram_precision=np.dtype(first_pass_dtype(options, m)).name, leading_eigenpairs=ritz)
+    sums.info.update(eigensolver="LAPACK sytrd/sterf/stein", gram_precision=np.dtype(first_pass_dtype(options)).name)
     return sums
 
 

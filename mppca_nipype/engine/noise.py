@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import leading
 from .backend import PatchSums
 from .cpu import (NO_CLOCK, add_window_maps, batch_size, deposit, first_pass_dtype, run_units, settled_spectra,
                   slab_turns, window_voxel_weights)
@@ -22,7 +21,7 @@ def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK)
     ``center`` each centre voxel's own window's; else the windows' weighted sums over the unit's slab of
     ``extent[0]`` x-planes, added plane by plane in the planes' turns."""
     step = batch_size(plan.patch_size, volume.shape[1])
-    dtype = first_pass_dtype(options, min(plan.patch_size, volume.shape[1]))
+    dtype = first_pass_dtype(options)
     if options.aggregation == "center":
         for start in range(unit.start, unit.stop, step):
             stop = min(start + step, unit.stop)
@@ -53,8 +52,5 @@ def noise_unit(volume, finite, plan, options, unit, sums, turns, clock=NO_CLOCK)
 def noise_cpu(data, finite, plan, options, *, nprocs=None, progress=None) -> PatchSums:
     """Run the plan's windows for their noise and rank only; the per-voxel sums (``image`` is None)."""
     sums = run_units(noise_unit, data, finite, plan, options, nprocs=nprocs, progress=progress, image=False)
-    m = min(plan.patch_size, data.shape[-1] if data.ndim == 2 else data.shape[3])
-    ritz = leading.applies(options, m, leading.CPU_MIN_ORDER)
-    sums.info.update(eigensolver="block Krylov, LAPACK sytrd/sterf" if ritz else "LAPACK sytrd/sterf",
-                     gram_precision=np.dtype(first_pass_dtype(options, m)).name, leading_eigenpairs=ritz)
+    sums.info.update(eigensolver="LAPACK sytrd/sterf", gram_precision=np.dtype(first_pass_dtype(options)).name)
     return sums

@@ -9,7 +9,7 @@ box reconstructs them. ``SlabWindows.batch`` runs a batch with no host synchroni
 2. Eigenvalues: the run's solver (``tridiagonal.TridiagonalEigh`` or ``cusolver.BatchedEigh``), with the
    undemeaned patch's mean as a rank-one term (``takes_mean_apart``), refined in float64 at both ends of
    the spectrum on long series (``refine``), or on the longest only the leading eigenpairs, in float64
-   (``GPURun.leading``, ``engine.leading``); ``info`` stays on the device.
+   (``GPURun.leading``); ``info`` stays on the device.
 3. The threshold and, in a float32 pass, the settling verdicts (``threshold``): an unsettled window gets
    weight 0 here and is redone by the settling pass (``settling``).
 4. The projector onto the kept eigenvectors (weighted by the filter's ``component_weights`` for a filter
@@ -31,9 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import leading as leading_pairs
 from ..estimators import aggregation_weights, component_weights, marchenko_pastur_edge, unresolved_projectors
-from . import reconstruction, threshold
+from . import cusolver, reconstruction, threshold
 from .cusolver import ProjectorFromVectors
 from .gram import gather_gram, gram
 from .threshold import rounding_uncertainty, threshold_on_device
@@ -156,12 +155,9 @@ class SlabWindows:
         leading = bool(refine) and run.leading
         if leading:
             values, info, bounds = run.solver.leading(grams, usable_voxels.clamp(max=usable_volumes))
-            kept_block = leading_pairs.KEEP
-            delta = None
-            if settle:  # within the bounds of what the rank, as the Ritz values give it, reads
-                rank, _, _ = threshold_on_device(values, usable_voxels, usable_volumes, run.options.estimator,
-                                                 None, given)
-                delta = leading_pairs.uncertainty(bounds, rank)
+            kept_block = cusolver.LEADING_KEEP
+            delta = (leading_uncertainty(values, bounds, usable_voxels, usable_volumes, run.options.estimator, given)
+                     if settle else None)
         else:
             values, info, scale = eigenvalues_of(run.solver, grams, dtype, refine, rank_one, n_took_part,
                                                  volume_mean, selection.count)
@@ -192,7 +188,7 @@ class SlabWindows:
             if near_cut is not None:
                 unsettled |= near_cut
             if kept_block:
-                unsettled |= patch_rank >= kept_block - (leading_pairs.GUARD if leading else threshold.REFINE_GUARD)
+                unsettled |= patch_rank >= kept_block - threshold.REFINE_GUARD
             if rank_one or run.noise_variance is not None or weights is not None:
                 # (a given level may cut inside the noise bulk, where float32 mixes the eigenvectors on both
                 # sides of the cut: such windows are redone in float64)
@@ -362,6 +358,18 @@ def _add_gathered(run, sums, selection, gathered, projector, patch_weight, patch
     flat = voxels.reshape(-1)
     for target, addend in zip(sums.tensors(), addends):
         target.index_add_(0, flat, addend)
+
+
+def leading_uncertainty(values, bounds, usable_voxels, usable_volumes, estimator, given):
+    """(B, 1): how far the eigenvalues a window's rank reads may be from the true ones, for leading eigenpairs
+    (``ProjectorFromVectors.leading``'s ``values`` and ``bounds``): the largest bound among the rank's
+    components and the two below them (the first noise eigenvalues, which the estimator tests), the rank as
+    the values give it."""
+    rank, _, _ = threshold_on_device(values, usable_voxels, usable_volumes, estimator, None, given)
+    keep = bounds.shape[1]
+    index = torch.arange(keep, device=bounds.device)[None, :]
+    read = index >= keep - (rank + 2).clamp(max=keep)[:, None]
+    return torch.where(read, bounds, 0.0).amax(dim=1, keepdim=True)
 
 
 def eigenvalues_of(solver, grams, dtype, refine, rank_one, n_took_part, volume_mean, count=None):

@@ -28,9 +28,9 @@ import math
 import numpy as np
 import torch
 
-from .. import leading
 from ..backend import GIB
 from ..errors import GPUOutOfMemoryError, is_out_of_memory
+from ..estimators import LEADING_ESTIMATORS
 from . import boxsums, cusolver, threshold
 from .cusolver import BatchedEigh, ProjectorFromVectors
 from .gram import fused_fits
@@ -130,7 +130,7 @@ def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, r
     size = torch.empty((), dtype=dtype).element_size()
     per_window = m * m * (2 * size + 4) + 16 * m * 8 + 4 * n_volumes + workspace_per_window
     if leading:  # the float64 Gram, the Krylov basis and its products, the projected matrix and its copies
-        width = leading.width()
+        width = cusolver.LEADING_BLOCK * cusolver.LEADING_STEPS
         per_window += m * m * 8 + m * width * 8 * 4 + width * width * 8 * 3
         size = 8
     elif refine:  # the float64 Gram, vectors and products beside the solver's copy; patches in float64
@@ -219,7 +219,8 @@ def batch_size(memory, n_windows, n_voxels, n_volumes, dtype, fused, solver, max
         return cap
     probe = 256
     if leading:  # its eigensolve is of the projected matrices, in float64
-        workspace = solver.workspace_bytes(probe, leading.width(), torch.float64) / probe
+        workspace = solver.workspace_bytes(probe, cusolver.LEADING_BLOCK * cusolver.LEADING_STEPS,
+                                           torch.float64) / probe
     else:
         workspace = solver.workspace_bytes(probe, min(n_voxels, n_volumes), dtype) / probe
     per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine, lambda_plus, leading)
@@ -371,8 +372,9 @@ class GPURun:
                    and m >= cusolver.REFINE_MIN_ORDER)
         self.refine = cusolver.refine_block(m) if refines else 0
         # on the longest series, where the estimate reads only the leading eigenvalues and the trace, a block
-        # Krylov space finds those alone, for far less than the full eigensolve (``engine.leading``)
-        self.leading = bool(self.refine) and leading.applies(self.options, m, leading.GPU_MIN_ORDER)
+        # Krylov space finds those alone, for far less than the full eigensolve (``cusolver.LEADING_MIN_ORDER``)
+        self.leading = bool(self.refine) and m >= cusolver.LEADING_MIN_ORDER and (
+            self.noise_variance is not None or self.options.estimator in LEADING_ESTIMATORS)
         self.mean_apart = (self.fused and self.demean == "none" and self.dtype == torch.float32
                            and isinstance(self.solver, TridiagonalEigh))
         self.takes_box_sums = (self.path in ("auto", "box") and boxsums.applies(
