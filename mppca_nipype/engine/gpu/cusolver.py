@@ -38,8 +38,8 @@ REFINE_MIN_ORDER = 64
 #: came out within 2e-8 (relative) of float64 LAPACK's, with residuals below 1e-4 of the eigenvalue.
 LEADING_BLOCK, LEADING_STEPS, LEADING_KEEP = 32, 16, 64
 #: Smallest matrix order for ``leading``: measured on the H200 per 64 windows of 13^3 voxels, the full
-#: float32 eigensolve and its refinement took 0.059 / 0.100 / 0.177 / 0.446 s at m = 600 / 900 / 1,200 /
-#: 1,800 against the Krylov space's 0.064 / 0.060 / 0.065 / 0.058 s (benchmarks/gpu_leading_eigenpairs.py).
+#: float32 eigensolve and its refinement took 0.052 / 0.100 / 0.179 / 0.450 s at m = 600 / 900 / 1,200 /
+#: 1,800 against the Krylov space's 0.056 / 0.058 / 0.057 / 0.058 s (benchmarks/gpu_leading_eigenpairs.py).
 LEADING_MIN_ORDER = 768
 #: The fewest float64 roundings of the largest eigenvalue a kept Ritz value's bound says (its rounding error
 #: on a converged pair: measured up to ~3).
