@@ -711,6 +711,28 @@ def test_leading_eigenpairs_runs_match_cpu(kernels, monkeypatch, filter_name, no
 
 
 @interpreted
+def test_leading_eigenpairs_leave_windows_of_few_voxels_to_the_full_eigensolve(kernels, monkeypatch):
+    """Where non-finite voxels leave a window too few for the Krylov space (r = 97 usable dimensions under
+    the 104 of 13 blocks of 8: the windows at the grid's far x-edge hold two finite planes), the window is
+    reported failed and redone by the full float64 eigensolve; the run still gives the CPU's."""
+    from mppca_nipype.engine.gpu import cusolver
+
+    monkeypatch.setattr(cusolver, "LEADING_BLOCK", 8)
+    monkeypatch.setattr(cusolver, "LEADING_STEPS", 12)
+    monkeypatch.setattr(cusolver, "LEADING_KEEP", 16)
+    monkeypatch.setattr(cusolver, "LEADING_MIN_ORDER", 100)
+    noisy, _ = low_rank_phantom((11, 10, 10), n_volumes=120, rank=4, sigma=5.0, seed=17)
+    noisy[6:] = np.nan
+    options = dict(extent=7, stride=3, estimator="olesen2023", aggregation="gaussian", demean="volume")
+    cpu, gpu, mask = run_both(noisy, path="gather", **options)
+    plan = prepared(noisy, **options)[3]
+    few = int(np.count_nonzero(plan.window_base(slice(None)) // (10 * 10) == 4))  # corners at x = 4
+    assert gpu.info["leading_eigenpairs"] and few > 0
+    assert gpu.info["n_settled_in_float64"] >= few
+    assert_same_denoising(cpu, gpu, mask)
+
+
+@interpreted
 @pytest.mark.parametrize("aggregation, stride, filter_name", [("weighted", 2, "hard"), ("center", 1, "hard"),
                                                               ("gaussian", 2, "optshrink")])
 def test_refined_gathered_runs_match_float64(kernels, monkeypatch, aggregation, stride, filter_name):
