@@ -120,7 +120,6 @@ class ProjectorFromVectors:
         refined = torch.cat([ends[0], quotients[:, block:m - block], ends[1]], dim=1)
         return refined.sort(dim=1).values, info
 
-
     def leading(self, matrices, usable):
         """The ``LEADING_KEEP`` largest eigenpairs of float64 ``matrices`` (B, m, m) (not overwritten), by
         Rayleigh-Ritz on a block Krylov space of them, for estimators that read only the leading eigenvalues
