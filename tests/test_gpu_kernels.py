@@ -687,6 +687,36 @@ def test_leading_eigenpairs_are_within_their_bounds_and_keep_the_trace(monkeypat
     np.testing.assert_allclose(got_sigma2.numpy(), want_sigma2.numpy(), rtol=1e-8)
 
 
+def test_a_windows_leading_eigenpairs_ignore_the_batch_and_a_failed_one_stays_finite(monkeypatch):
+    """A window's leading eigenpairs are the same alone and beside others (one starting block for all); a
+    window whose Gram has far lower rank than its usable count (finite voxels of value 0) loses its Krylov
+    space: it is reported failed, with zeros, and the eigensolver is handed only finite matrices."""
+    from mppca_nipype.engine.gpu import cusolver
+
+    monkeypatch.setattr(cusolver, "LEADING_BLOCK", 8)
+    monkeypatch.setattr(cusolver, "LEADING_STEPS", 12)
+    monkeypatch.setattr(cusolver, "LEADING_KEEP", 16)
+    rng = np.random.default_rng(8)
+    grams = _patch_grams(rng, 400, 240, 5, 2)
+    zeros = rng.standard_normal((400, 240))
+    zeros[30:] = 0  # 30 voxels of signal, 370 of value 0: rank 30
+    grams = torch.from_numpy(np.concatenate([grams, (zeros.T @ zeros)[None]]))
+    handed = []
+
+    class Recording(BatchedEigh):
+        def __call__(self, matrices, vectors=True):
+            handed.append(bool(torch.isfinite(matrices).all()))
+            return super().__call__(matrices, vectors)
+
+    solver = Recording("cpu")
+    usable = torch.full((3,), 240)
+    together, info, bounds = solver.leading(grams, usable)
+    alone, _, _ = solver.leading(grams[1:2], usable[1:2])
+    assert info.tolist() == [0, 0, 1] and all(handed)
+    assert torch.equal(together[1], alone[0])
+    assert not together[2].any() and not bounds[2].any()
+
+
 @interpreted
 @pytest.mark.parametrize("filter_name, noise, steps", [("optshrink", None, 12), ("hard", None, 12),
                                                        ("optthresh", 30.0, 12), ("optshrink", None, 6)])

@@ -44,7 +44,7 @@ LEADING_MIN_ORDER = 768
 #: The fewest float64 roundings of the largest eigenvalue a kept Ritz value's bound says (its rounding error
 #: on a converged pair: measured up to ~3).
 LEADING_ROUNDINGS = 16
-#: The random starting block's seed: the same windows give the same answer in every run.
+#: The random starting block's seed: a window gives the same answer in every run and any batch.
 LEADING_SEED = 2016
 
 
@@ -139,7 +139,7 @@ class ProjectorFromVectors:
 
         The space is built block by block, each block orthogonalised twice against all earlier ones and made
         orthonormal by Cholesky QR (twice), in float64: a random start, so no window can be deficient in a
-        direction, fixed by ``LEADING_SEED``.
+        direction, fixed by ``LEADING_SEED`` and the same for every window.
         """
         batch, m, _ = matrices.shape
         block, steps, keep = LEADING_BLOCK, LEADING_STEPS, LEADING_KEEP
@@ -149,8 +149,9 @@ class ProjectorFromVectors:
         generator.manual_seed(LEADING_SEED)
         basis = torch.empty((batch, m, width), dtype=torch.float64, device=device)
         products = torch.empty_like(basis)
-        current, failed = _orthonormal(torch.randn((batch, m, block), generator=generator, dtype=torch.float64,
-                                                   device=device))
+        # one start for every window: a window's answer does not depend on its place in the batch
+        start = torch.randn((m, block), generator=generator, dtype=torch.float64, device=device)
+        current, failed = _orthonormal(start.expand(batch, m, block))
         for step in range(steps):
             columns = slice(step * block, (step + 1) * block)
             basis[:, :, columns] = current
@@ -193,7 +194,8 @@ class ProjectorFromVectors:
 
 def _orthonormal(block):
     """(Q, failed): ``block`` (B, m, b) made orthonormal by Cholesky QR, twice (the second pass mends what
-    the first lost to the block's conditioning), and (B,) bool where a Cholesky factorisation failed."""
+    the first lost to the block's conditioning), and (B,) bool where a Cholesky factorisation failed; there
+    Q is 0, so that the failed window's later products stay finite (its results are discarded)."""
     failed = torch.zeros(block.shape[0], dtype=torch.bool, device=block.device)
     for _ in range(2):
         factor, info = torch.linalg.cholesky_ex(block.mT @ block)
@@ -201,7 +203,7 @@ def _orthonormal(block):
         factor = torch.where(failed[:, None, None], torch.eye(block.shape[-1], dtype=block.dtype,
                                                               device=block.device), factor)
         block = torch.linalg.solve_triangular(factor, block.mT, upper=False).mT
-    return block, failed
+    return torch.where(failed[:, None, None], 0.0, block), failed
 
 
 class BatchedEigh(ProjectorFromVectors):
