@@ -155,7 +155,7 @@ class SlabWindows:
         leading = bool(refine) and run.leading
         if leading:
             values, info, bounds = run.solver.leading(grams, usable_voxels.clamp(max=usable_volumes))
-            kept_block = cusolver.LEADING_KEEP
+            kept_block, scale = cusolver.LEADING_KEEP, None  # (float64: the largest eigenvalue scales)
             delta = (leading_uncertainty(values, bounds, usable_voxels, usable_volumes, run.options.estimator, given)
                      if settle else None)
         else:
@@ -193,7 +193,7 @@ class SlabWindows:
                 # (a given level may cut inside the noise bulk, where float32 mixes the eigenvectors on both
                 # sides of the cut: such windows are redone in float64)
                 unsettled |= unresolved_projectors(values, patch_rank,
-                                                   values[:, -1].clamp(min=0) if leading or scale is None else scale)
+                                                   values[:, -1].clamp(min=0) if scale is None else scale)
             keep &= ~unsettled
             self._record_verdicts()
         # the gathered path applies a block's few vectors as two thin products (``signal_factors``)

@@ -48,6 +48,11 @@ LEADING_ROUNDINGS = 16
 LEADING_SEED = 2016
 
 
+def leading_width() -> int:
+    """The dimensions of ``ProjectorFromVectors.leading``'s Krylov space."""
+    return LEADING_BLOCK * LEADING_STEPS
+
+
 def refine_block(m: int) -> int:
     """Eigenvectors refined at each end of an m x m spectrum: ``REFINE_BLOCK``, or half the spectrum."""
     return min(REFINE_BLOCK, m // 2)
@@ -143,7 +148,7 @@ class ProjectorFromVectors:
         """
         batch, m, _ = matrices.shape
         block, steps, keep = LEADING_BLOCK, LEADING_STEPS, LEADING_KEEP
-        width = block * steps
+        width = leading_width()
         device = matrices.device
         generator = torch.Generator(device=device)
         generator.manual_seed(LEADING_SEED)

@@ -130,7 +130,7 @@ def _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace_per_window, r
     size = torch.empty((), dtype=dtype).element_size()
     per_window = m * m * (2 * size + 4) + 16 * m * 8 + 4 * n_volumes + workspace_per_window
     if leading:  # the float64 Gram, the Krylov basis and its products, the projected matrix and its copies
-        width = cusolver.LEADING_BLOCK * cusolver.LEADING_STEPS
+        width = cusolver.leading_width()
         per_window += m * m * 8 + m * width * 8 * 4 + width * width * 8 * 3
         size = 8
     elif refine:  # the float64 Gram, vectors and products beside the solver's copy; patches in float64
@@ -219,8 +219,7 @@ def batch_size(memory, n_windows, n_voxels, n_volumes, dtype, fused, solver, max
         return cap
     probe = 256
     if leading:  # its eigensolve is of the projected matrices, in float64
-        workspace = solver.workspace_bytes(probe, cusolver.LEADING_BLOCK * cusolver.LEADING_STEPS,
-                                           torch.float64) / probe
+        workspace = solver.workspace_bytes(probe, cusolver.leading_width(), torch.float64) / probe
     else:
         workspace = solver.workspace_bytes(probe, min(n_voxels, n_volumes), dtype) / probe
     per_window = _bytes_per_window(n_voxels, n_volumes, dtype, fused, workspace, refine, lambda_plus, leading)
