@@ -311,6 +311,42 @@ def test_runs_after_the_warm_up_compile_nothing(tmp_path):
     assert compiled_by_the_runs == []
 
 
+
+FIRST_RUN = """\
+import hashlib, json
+from mppca_nipype import denoise
+from mppca_nipype.phantoms import low_rank_phantom
+noisy, _ = low_rank_phantom((30, 28, 26), 22, seed=3)
+result = denoise(noisy, device="cuda", extent=7, stride=2, demean="voxel")
+print(json.dumps([result.info.get("kernels_compiled_ahead", 0), hashlib.sha256(result.denoised.tobytes()).hexdigest()]))
+"""
+
+
+@pytest.mark.gpu
+def test_a_first_run_compiles_its_kernels_ahead_and_equals_a_warm_run(tmp_path):
+    """A new process on an empty kernel cache queues its run's kernels for compilation side by side
+    (``warmup.compile_ahead``) and records them compiled; the next process queues none, compiles nothing, and
+    gives the same series bit for bit."""
+    from mppca_nipype.engine.gpu import usable
+
+    reason = usable()
+    if reason is not None:
+        pytest.skip(reason)
+    cache = tmp_path / "kernels"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
+    runs = []
+    for _ in range(2):
+        child = subprocess.run([sys.executable, "-c", FIRST_RUN], capture_output=True, text=True, env=env,
+                               timeout=600)
+        assert child.returncode == 0, child.stderr[-3000:]
+        runs.append((json.loads(child.stdout.splitlines()[-1]), set(cache.glob("*/__grp__*.json"))))
+    (queued, first), compiled = runs[0]
+    (queued_again, second), compiled_again = runs[1]
+    assert queued >= 6 and queued_again == 0
+    assert len(list((cache / "mppca-nipype-compiled").iterdir())) == 1
+    assert compiled_again == compiled and first == second
+
+
 # -- a script that calls denoise() from its top level --------------------------------------------------------
 
 SCRIPT = """\

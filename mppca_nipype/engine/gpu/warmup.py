@@ -20,13 +20,26 @@ pointers on 16-byte alignment, so each (options, T) runs on two grids: one whose
 are multiples of 16, one whose are both odd. A warm-up therefore serves the runs whose options and T it
 ran; ``warm_up_runs`` lists those runs: each T of ``volumes`` in the options' mode (the defaults unless
 given) and in dwidenoise's mode.
+
+A machine's first run needs no warm-up to compile in parallel: before a run whose kernels this machine has not
+compiled for its options and T (``compile_ahead``), the backend runs on the small grids with every launch
+turned into a compilation, queued on ``COMPILE_THREADS`` threads; the run then finds each kernel compiled, or
+waits for the one it needs next, instead of compiling the run's variants one after the other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from functools import lru_cache
+import hashlib
 import itertools
 import math
+import os
+from pathlib import Path
+import threading
+import warnings
 
 import numpy as np
 
@@ -104,3 +117,128 @@ def warm_up_runs(volumes, options=None) -> list[WarmUpRun]:
             runs += [WarmUpRun(mode, mode_options, shape, int(n_volumes))
                      for shape in warm_up_grids(extent, mode_options["stride"])]
     return runs
+
+
+#: Threads that compile a first run's kernels side by side (``compile_ahead``). On the H200 machine's 16 cores
+#: the seed's problem's first run took 10.8 s with 4, 14.9 s with 8 or 16, 24-30 s compiling in the run
+#: (Triton's front end holds the GIL: more threads wait on it and on the run's own thread).
+COMPILE_THREADS = 4
+
+#: Set while ``compile_ahead`` runs the backend: every Triton launch in this context only compiles its kernel.
+_compile_only = ContextVar("mppca_compile_only", default=False)
+_setting_up = threading.Lock()
+_pool = None
+_compiled = set()  # the markers this process found or wrote
+
+
+def compile_ahead(n_volumes, options, backend, cache_dir) -> tuple[str | None, int]:
+    """Queue the compilation of the kernels a GPU run of ``options`` (``DenoiseOptions``) over T =
+    ``n_volumes`` launches, on ``COMPILE_THREADS`` threads, and return at once: (the file that records those
+    kernels compiled, for ``mark_compiled`` after the run (None: none); how many compilations were queued).
+
+    Nothing is queued where that file is in ``cache_dir`` (Triton's cache folder: ``use_kernel_cache``), under
+    the interpreter, or where this Triton lacks the asynchronous compilation this needs
+    (``triton.runtime._async_compile``). ``backend`` (``denoise_gpu``) runs on
+    ``warm_up_grids``, with a noise map of the same kind, each launch a compilation only
+    (``triton.JITFunction.run``'s ``warmup``). What it reads back from the device is meaningless, and any error
+    it meets ends it: the kernels queued so far still compile, and the run compiles any other itself. A run
+    over a masked or partly non-finite image may take the fused kernels where these grids take the box sums:
+    those it compiles itself.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1" or _compile_only.get():
+        return None, 0
+    marker = _compiled_marker(Path(cache_dir), n_volumes, options)
+    if str(marker) in _compiled or marker.exists():
+        _compiled.add(str(marker))
+        return str(marker), 0
+    try:
+        from triton.runtime import _async_compile
+    except ImportError:
+        return None, 0
+    _let_launches_only_compile()
+    mode = _async_compile.AsyncCompileMode(_compile_pool())
+    only, asynchronous = _compile_only.set(True), _async_compile.active_mode.set(mode)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for grid in warm_up_grids(options.extent, options.stride):
+                _compiling_run(backend, grid, n_volumes, options)
+    except Exception:  # noqa: BLE001 - a dry run over uninitialised results may fail anywhere; see above
+        pass
+    finally:
+        _async_compile.active_mode.reset(asynchronous)
+        _compile_only.reset(only)
+    return str(marker), len(mode.raw_futures)
+
+
+def mark_compiled(marker: str | None) -> None:
+    """Record (``compile_ahead``'s file) that this machine has compiled a run's kernels."""
+    if marker is None or marker in _compiled:
+        return
+    _compiled.add(marker)
+    try:
+        Path(marker).parent.mkdir(parents=True, exist_ok=True)
+        Path(marker).touch()
+    except OSError:  # a read-only cache: the next run queues the compilations again, and finds them cached
+        pass
+
+
+def _compiling_run(backend, grid, n_volumes, options) -> None:
+    from ..patches import plan_patches
+
+    every_voxel = np.ones(grid, dtype=bool)
+    noise = options.noise_variance
+    if isinstance(noise, np.ndarray):  # a map of the run's grid: one of this grid's, of the same kind
+        noise = np.full(math.prod(grid), float(np.median(noise)) or 1.0)
+    plan = plan_patches(grid, options.extent, options.stride, every_voxel, every_voxel, options.shape)
+    series = np.zeros((*grid, n_volumes), dtype=np.float32)
+    backend(series, every_voxel, plan, replace(options, noise_variance=noise))
+
+
+def _compiled_marker(cache_dir: Path, n_volumes, options) -> Path:
+    """The file that records a run's kernels compiled: named by the engine's kernel sources, Triton's version,
+    the device and what sets the kernels' compile-time constants (T and the options, the noise level's kind)."""
+    import torch
+    import triton
+
+    noise = options.noise_variance
+    kind = "estimated" if noise is None else "map" if isinstance(noise, np.ndarray) else "given"
+    key = hashlib.sha256(repr((_kernel_sources(), triton.__version__, torch.version.cuda,
+                               torch.cuda.get_device_capability(), n_volumes,
+                               replace(options, noise_variance=None), kind)).encode()).hexdigest()
+    return cache_dir / "mppca-nipype-compiled" / key[:32]
+
+
+@lru_cache(maxsize=None)
+def _kernel_sources() -> str:
+    """A digest of this package's GPU engine sources (its kernels, and the code that chooses their variants)."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
+def _compile_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _setting_up:
+        if _pool is None:
+            from ..backend import available_cpus
+
+            _pool = ThreadPoolExecutor(min(COMPILE_THREADS, available_cpus()), thread_name_prefix="mppca-compile")
+        return _pool
+
+
+def _let_launches_only_compile() -> None:
+    """Make ``JITFunction.run`` compile without launching in a ``_compile_only`` context (once a process)."""
+    from triton.runtime.jit import JITFunction
+
+    with _setting_up:
+        if getattr(JITFunction.run, "_mppca_compile_only", False):
+            return
+        launch = JITFunction.run
+
+        def run(self, *args, grid, warmup, **kwargs):
+            return launch(self, *args, grid=grid, warmup=warmup or _compile_only.get(), **kwargs)
+
+        run._mppca_compile_only = True
+        JITFunction.run = run
