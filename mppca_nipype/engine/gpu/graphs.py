@@ -25,8 +25,12 @@ GRAPH_CACHE = 1
 
 
 def enabled() -> bool:
-    """Whether runs may keep and replay their first pass as CUDA graphs (``MPPCA_GPU_GRAPHS``, default on)."""
-    return os.environ.get("MPPCA_GPU_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether runs may keep and replay their first pass as CUDA graphs (``MPPCA_GPU_GRAPHS``, default on);
+    never in a run whose launches only compile (``warmup.compile_ahead``: it is not a geometry's first run)."""
+    from .warmup import compiling_only
+
+    return (os.environ.get("MPPCA_GPU_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+            and not compiling_only())
 
 
 def may_replay(plan, options, finite, n_volumes, settings) -> bool:

@@ -27,6 +27,7 @@ from ..layout import voxel_rows
 from .batch import Chosen
 from .gram import fused_fits
 from .plan import run_in_batches
+from .warmup import compiling_only
 
 #: Pieces along x in which a part's final planes are reconstructed, each divided and downloaded while the
 #: next one computes.
@@ -136,6 +137,8 @@ def settle_on_host(run, windows, verdicts, data, finite_host, first_window, firs
     if run.settle:
         redo |= torch.cat([left for _, left in verdicts])
     redo = torch.nonzero(redo).reshape(-1).cpu().numpy()
+    if compiling_only():  # (its verdicts mean nothing) every window, so that the float64 kernels compile too
+        redo = np.arange(sum(len(info) for info, _ in verdicts))
     failed = redo
     if run.settle and len(redo):
         run.n_settled += len(redo)
@@ -147,7 +150,7 @@ def settle_on_host(run, windows, verdicts, data, finite_host, first_window, firs
         run.retries += retries
         failed = redo[torch.nonzero(torch.cat([info for info, _ in verdicts]) != 0).reshape(-1).cpu().numpy()]
     windows.accumulate_box()
-    if len(failed):
+    if len(failed) and not compiling_only():
         run.n_redone_on_cpu += len(failed)
         rows, values, replace = cpu_contributions(data, finite_host, run.plan, run.options, failed + first_window)
         windows.sums.add(rows - first_row, *values, replace=replace)

@@ -145,7 +145,7 @@ def compile_ahead(n_volumes, options, backend, cache_dir) -> tuple[str | None, i
     over a masked or partly non-finite image may take the fused kernels where these grids take the box sums:
     those it compiles itself.
     """
-    if os.environ.get("TRITON_INTERPRET") == "1" or _compile_only.get():
+    if os.environ.get("TRITON_INTERPRET") == "1" or compiling_only():
         return None, 0
     marker = _compiled_marker(Path(cache_dir), n_volumes, options)
     if str(marker) in _compiled or marker.exists():
@@ -169,6 +169,11 @@ def compile_ahead(n_volumes, options, backend, cache_dir) -> tuple[str | None, i
         _async_compile.active_mode.reset(asynchronous)
         _compile_only.reset(only)
     return str(marker), len(mode.raw_futures)
+
+
+def compiling_only() -> bool:
+    """Whether this is ``compile_ahead``'s run, whose launches only compile their kernels."""
+    return _compile_only.get()
 
 
 def mark_compiled(marker: str | None) -> None:
