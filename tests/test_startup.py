@@ -287,6 +287,7 @@ def test_the_warm_up_fails_as_the_command_does_when_asked_for_what_it_cannot_do(
 def test_runs_after_the_warm_up_compile_nothing(tmp_path):
     """``mppca-denoise --warm-up 20`` into an empty kernel cache, then ``mppca-denoise`` on a 40x44x30 series
     of 20 volumes with the defaults and in dwidenoise's mode: the runs add nothing to the cache."""
+    from mppca_nipype.engine import DWIDENOISE_MODE
     from mppca_nipype.engine.gpu import usable
     from mppca_nipype.phantoms import low_rank_phantom
 
@@ -303,7 +304,8 @@ def test_runs_after_the_warm_up_compile_nothing(tmp_path):
     assert warmed
     noisy, _ = low_rank_phantom((40, 44, 30), 20, seed=1)
     nib.save(nib.Nifti1Image(noisy, np.eye(4)), tmp_path / "in.nii")
-    for options in ([], ["--extent", "auto", "--stride", "1", "--aggregation", "center", "--demean", "none"]):
+    dwidenoise_mode = [word for name, value in DWIDENOISE_MODE.items() for word in (f"--{name}", str(value))]
+    for options in ([], dwidenoise_mode):
         run = subprocess.run([*command, str(tmp_path / "in.nii"), str(tmp_path / "out.nii"), "--device", "cuda",
                               *options], capture_output=True, text=True, env=env, timeout=900)
         assert run.returncode == 0, run.stderr[-3000:]
