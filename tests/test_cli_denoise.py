@@ -96,6 +96,26 @@ def test_output_is_denoise_of_the_same_array_in_float32(tmp_path, noisy, expecte
     assert (open(out, "rb").read(2) == b"\x1f\x8b") == (suffix == ".nii.gz")
 
 
+
+def test_a_compressed_input_is_read_by_a_child_beside_the_gpu_checks(tmp_path, noisy, expected, monkeypatch):
+    """Where a GPU may run (here made to seem so), a .nii.gz IN is decompressed by a child process beside the
+    checks (``io.read_ahead``), whose values the run takes: the output is the engine's."""
+    from mppca_nipype.engine import gpu
+
+    monkeypatch.setattr(gpu, "absent_reason", lambda: None)
+    started, read_ahead = [], nifti_io.read_ahead
+
+    def recorded(path, *args, **kwargs):
+        started.append(read_ahead(path, *args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(nifti_io, "read_ahead", recorded)
+    source = save(noisy, tmp_path / "dwi.nii.gz")
+    cli.main([str(source), str(tmp_path / "out.nii"), "--nprocs", "1", "--device", "auto", "--quiet"])
+    if nifti_io._isal("igzip") is not None and sys.platform.startswith("linux"):
+        assert len(started) == 1 and started[0] is not None and started[0].child is None
+    np.testing.assert_array_equal(np.asarray(nib.load(tmp_path / "out.nii").dataobj), expected.denoised)
+
 def test_input_file_is_left_unchanged(tmp_path, series_path):
     before = checksum(series_path)
     result = run_cli(series_path, tmp_path / "out.nii.gz", "--noise", tmp_path / "noise.nii.gz",

@@ -152,3 +152,49 @@ def test_a_truncated_compressed_input_fails_with_one_sentence(tmp_path):
     image = io.load_image(tmp_path / "cut.nii.gz")  # the header is there, half the voxels are not
     with pytest.raises(MPPCAInputError, match="corrupt or truncated"):
         io.read_data(image, tmp_path / "cut.nii.gz")
+
+
+@pytest.mark.parametrize("dtype, slope", [(np.float32, 1.0), (np.float32, 2.0), (np.int16, 1.0)])
+def test_a_compressed_series_read_ahead_by_a_child_equals_read_data(tmp_path, dtype, slope, monkeypatch):
+    """``read_ahead`` decompresses a float32 .nii.gz without scaling in a forked child, into memory this
+    process then reads: ``read_data``'s values, in Fortran order, the child reaped; anything else (a scaling,
+    integers) is left to ``read_data`` (None, nothing started)."""
+    import nibabel as nib
+
+    if not sys.platform.startswith("linux") or io._isal("igzip") is None:
+        pytest.skip("the read-ahead forks (Linux) and inflates with ISA-L")
+    monkeypatch.setattr(io, "READ_BYTES", 1000)
+    stored = np.random.default_rng(6).integers(0, 3000, size=(13, 11, 9, 5)).astype(dtype)
+    image = nib.Nifti1Image(stored, np.eye(4))
+    image.header.set_slope_inter(slope, 0.0)
+    nib.save(image, tmp_path / "in.nii.gz")
+    ahead = io.read_ahead(tmp_path / "in.nii.gz")
+    if not (np.dtype(dtype) == np.float32 and slope == 1.0):
+        assert ahead is None
+        return
+    child = ahead.child
+    got = ahead.result()
+    np.testing.assert_array_equal(got, io.read_data(io.load_image(tmp_path / "in.nii.gz"), tmp_path / "in.nii.gz"))
+    assert got.flags.f_contiguous and got.flags.writeable and ahead.child is None
+    with pytest.raises(ProcessLookupError):  # reaped
+        os.kill(child, 0)
+
+
+def test_a_truncated_series_read_ahead_gives_none_and_a_cancelled_one_leaves_no_child(tmp_path):
+    """A child that meets the file's end early fails: ``result`` is None (``read_data`` then says what is
+    wrong); ``cancel`` kills a child still reading and reaps it."""
+    import nibabel as nib
+
+    if not sys.platform.startswith("linux") or io._isal("igzip") is None:
+        pytest.skip("the read-ahead forks (Linux) and inflates with ISA-L")
+    values = np.random.default_rng(7).standard_normal((40, 40, 30, 40)).astype(np.float32)
+    nib.save(nib.Nifti1Image(values, np.eye(4)), tmp_path / "in.nii.gz")
+    data = (tmp_path / "in.nii.gz").read_bytes()
+    (tmp_path / "cut.nii.gz").write_bytes(data[:len(data) // 2])
+    assert io.read_ahead(tmp_path / "cut.nii.gz").result() is None
+    ahead = io.read_ahead(tmp_path / "in.nii.gz")
+    child = ahead.child
+    ahead.cancel()
+    assert ahead.child is None and ahead.values is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)

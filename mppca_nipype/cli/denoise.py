@@ -244,13 +244,35 @@ def run(args, parser) -> None:
     """Check everything, denoise, write the outputs together, print the summary (and the timings)."""
     started = time.perf_counter()
     phases = Phases(start_up=process_age())
+    ahead = _read_ahead(args)
+    try:
+        _run_checked(args, parser, started, phases, ahead)
+    finally:
+        if ahead is not None:
+            ahead.cancel()
+
+
+def _read_ahead(args):
+    """IN decompressed by a child process beside the checks (``io.read_ahead``) where it is a .nii.gz and the
+    checks may start the GPU (torch's import and CUDA's: on the H200 machine 1.5-2 s that the read
+    followed); else None."""
+    if args.device == "cpu" or not str(args.input).endswith(".gz"):
+        return None
+    from ..engine.gpu import absent_reason
+
+    return io.read_ahead(args.input) if absent_reason() is None else None
+
+
+def _run_checked(args, parser, started, phases, ahead) -> None:
     with phases("checks"):
         image, mask, options, outputs = _checked(args, parser)
 
     complex_input = io.is_complex(image)
     with io.staged_files(outputs, what=outputs) as staged:
         with phases("read"):
-            data = io.read_data(image, args.input, dtype=np.complex64 if complex_input else np.float32)
+            data = None if ahead is None else ahead.result()
+            if data is None:
+                data = io.read_data(image, args.input, dtype=np.complex64 if complex_input else np.float32)
             echoes = [io.read_data(io.load_image(path), path) for path, _ in args.echo or ()]
             phase = None if args.phase is None else io.read_data(io.load_image(args.phase, "phase"), args.phase,
                                                                  "phase")
