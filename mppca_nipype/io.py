@@ -181,9 +181,12 @@ def read_ahead(path, dtype=np.float32) -> ReadAhead | None:
     size = int(np.prod(image.shape)) * stored.itemsize
     if size == 0:
         return None
-    values = np.ndarray(image.shape, stored, buffer=mmap.mmap(-1, size), order="F")  # shared with the child
     parent = os.getpid()
-    child = os.fork()
+    try:
+        values = np.ndarray(image.shape, stored, buffer=mmap.mmap(-1, size), order="F")  # shared with the child
+        child = os.fork()
+    except OSError:  # no memory for it, or no process: read where the run reads
+        return None
     if child == 0:  # the child: fill the shared array, then leave without running this process's exit handlers
         code = 1
         try:

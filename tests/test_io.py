@@ -180,9 +180,11 @@ def test_a_compressed_series_read_ahead_by_a_child_equals_read_data(tmp_path, dt
         os.kill(child, 0)
 
 
-def test_a_truncated_series_read_ahead_gives_none_and_a_cancelled_one_leaves_no_child(tmp_path):
+def test_a_truncated_series_read_ahead_gives_none_and_a_cancelled_one_leaves_no_child(tmp_path, monkeypatch):
     """A child that meets the file's end early fails: ``result`` is None (``read_data`` then says what is
-    wrong); ``cancel`` kills a child still reading and reaps it."""
+    wrong); ``cancel`` kills a child still reading (one byte a read: minutes) and reaps it at once."""
+    import time
+
     import nibabel as nib
 
     if not sys.platform.startswith("linux") or io._isal("igzip") is None:
@@ -192,9 +194,11 @@ def test_a_truncated_series_read_ahead_gives_none_and_a_cancelled_one_leaves_no_
     data = (tmp_path / "in.nii.gz").read_bytes()
     (tmp_path / "cut.nii.gz").write_bytes(data[:len(data) // 2])
     assert io.read_ahead(tmp_path / "cut.nii.gz").result() is None
+    monkeypatch.setattr(io, "READ_BYTES", 1)
     ahead = io.read_ahead(tmp_path / "in.nii.gz")
-    child = ahead.child
+    child, started = ahead.child, time.perf_counter()
     ahead.cancel()
+    assert time.perf_counter() - started < 5
     assert ahead.child is None and ahead.values is None
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)

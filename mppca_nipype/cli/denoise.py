@@ -402,7 +402,7 @@ def warm_up(args, parser) -> None:
         check_device(args.device)  # 'cuda': MPPCAInputError with the reason
         say(f"{PROG}: nothing to warm up: {reason}")
         return
-    from ..engine.gpu.warmup import warm_up_runs
+    from ..engine.gpu.warmup import wait_for_compilations, warm_up_runs
 
     cache = Path(use_kernel_cache())
     runs = warm_up_runs(args.warm_up, options)
@@ -415,6 +415,7 @@ def warm_up(args, parser) -> None:
         before = _compiled_kernels(cache)
         run_started = time.perf_counter()
         denoise(run.series(), device="cuda", **run.options)
+        wait_for_compilations()  # (what its first run queued beside it, the settling kernels among them)
         seconds = time.perf_counter() - run_started
         new = Counter(name for entry, name in _compiled_kernels(cache).items() if entry not in before)
         compiled += new

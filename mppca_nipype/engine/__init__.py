@@ -299,20 +299,13 @@ def _gpu_sums_of_a_finite_series(backend, data, every_voxel, plan, options, run_
     return sums if sums.info.pop("series_finite") else None
 
 
-def _compile_ahead(backend, n_volumes, options) -> tuple[str | None, int]:
+def _compile_ahead(backend, n_volumes, options):
     """The GPU run's kernels queued for compilation side by side where this machine has not compiled them
-    (``gpu.warmup.compile_ahead``): (what ``_mark_compiled`` takes after the run, how many were queued)."""
+    (``gpu.warmup.compile_ahead``: a ``KernelsAhead``, or None)."""
     from .gpu import use_kernel_cache
     from .gpu.warmup import compile_ahead
 
     return compile_ahead(n_volumes, options, backend, use_kernel_cache())
-
-
-def _mark_compiled(compiled) -> None:
-    if compiled is not None:
-        from .gpu.warmup import mark_compiled
-
-        mark_compiled(compiled)
 
 
 def _plan(data, mask, finite, options) -> PatchPlan:
@@ -490,7 +483,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
 
     backend = _backend(chosen)
     run_options = dict(nprocs=nprocs, progress=progress, **(dict(gpu_memory=gpu_memory) if on_gpu else {}))
-    compiled, compiled_ahead = _compile_ahead(backend, data.shape[3], options) if on_gpu else (None, 0)
+    ahead = _compile_ahead(backend, data.shape[3], options) if on_gpu else None
     try:
         sums = None
         if on_gpu:
@@ -517,7 +510,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         sums = denoise_cpu(data, finite, plan, options, nprocs=nprocs, progress=progress)
         sums.info["cpu_fallback"] = out_of_memory.reason
     else:
-        _mark_compiled(compiled)
+        if ahead is not None:
+            ahead.run_succeeded()
     lap("backend")
     result = _finish(raw, mask, finite, sums)
     if "variance_removed" in maps:
@@ -531,8 +525,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
                             n_patches=int(plan.multiplicity.sum()), n_windows=plan.n_windows,
                             n_nonfinite_voxels=n_nonfinite,
                             seconds={phase: round(spent, 4) for phase, spent in seconds.items()}))
-    if compiled_ahead:
-        result.info["kernels_compiled_ahead"] = compiled_ahead
+    if ahead is not None:
+        result.info["kernels_compiled_ahead"] = ahead.queued
     if choice:
         result.info["device_choice"] = choice
     return result

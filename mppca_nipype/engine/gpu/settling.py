@@ -70,10 +70,12 @@ def choose_windows(info, unsettled, base, multiplicity, first=0):
     unwritten. One launch, where torch would take ~20 operations (a sort among them)."""
     n_windows = info.numel()
     device = info.device
-    chosen_base = torch.empty(n_windows, dtype=base.dtype, device=device)
-    chosen_multiplicity = torch.empty(n_windows, dtype=multiplicity.dtype, device=device)
-    asked = torch.empty(n_windows, dtype=torch.bool, device=device)
-    count = torch.empty((), dtype=torch.int64, device=device)
+    # (a run that only compiles launches no kernel: it chooses none, so that no index it reads is garbage)
+    allocate = torch.zeros if compiling_only() else torch.empty
+    chosen_base = allocate(n_windows, dtype=base.dtype, device=device)
+    chosen_multiplicity = allocate(n_windows, dtype=multiplicity.dtype, device=device)
+    asked = allocate(n_windows, dtype=torch.bool, device=device)
+    count = allocate((), dtype=torch.int64, device=device)
     _choose_kernel[(1,)](info, unsettled, base, multiplicity, n_windows, first, chosen_base, chosen_multiplicity,
                          asked, count, BLOCK=CHOOSE_BLOCK, num_warps=4)
     return chosen_base, chosen_multiplicity, asked, count

@@ -39,7 +39,6 @@ import math
 import os
 from pathlib import Path
 import threading
-import warnings
 
 import numpy as np
 
@@ -120,8 +119,9 @@ def warm_up_runs(volumes, options=None) -> list[WarmUpRun]:
 
 
 #: Threads that compile a first run's kernels side by side (``compile_ahead``). On the H200 machine's 16 cores
-#: the seed's problem's first run took 10.8 s with 4, 14.9 s with 8 or 16, 24-30 s compiling in the run
-#: (Triton's front end holds the GIL: more threads wait on it and on the run's own thread).
+#: the seed's problem's first run, a whole process, took 10.9, 11.2, 8.9 and 9.4 s with 2, 3, 4 and 6
+#: threads, ~15 s with 8 or 16, and 24-30 s compiling in the run (Triton's front end holds the GIL: more
+#: threads wait on it and on the run's own thread).
 COMPILE_THREADS = 4
 
 #: Set while ``compile_ahead`` runs the backend: every Triton launch in this context only compiles its kernel.
@@ -129,46 +129,87 @@ _compile_only = ContextVar("mppca_compile_only", default=False)
 _setting_up = threading.Lock()
 _pool = None
 _compiled = set()  # the markers this process found or wrote
+_queued = []  # every compilation this process queued
 
 
-def compile_ahead(n_volumes, options, backend, cache_dir) -> tuple[str | None, int]:
+class KernelsAhead:
+    """What ``compile_ahead`` queued for a run: its ``queued`` compilations, and the file that records the set
+    compiled, written once the run succeeded (``run_succeeded``) and every queued compilation has ended (a
+    process that ends first leaves it to a later run)."""
+
+    def __init__(self, marker: str, futures):
+        self.marker, self.futures = marker, list(futures)
+        self._lock, self._succeeded, self._left = threading.Lock(), False, len(self.futures)
+        for future in self.futures:
+            future.add_done_callback(self._one_done)
+
+    @property
+    def queued(self) -> int:
+        return len(self.futures)
+
+    def _one_done(self, _future):
+        with self._lock:
+            self._left -= 1
+            ready = self._succeeded and self._left == 0
+        if ready:
+            _write_marker(self.marker)
+
+    def run_succeeded(self) -> None:
+        with self._lock:
+            self._succeeded = True
+            ready = self._left == 0
+        if ready:
+            _write_marker(self.marker)
+
+
+def compile_ahead(n_volumes, options, backend, cache_dir) -> KernelsAhead | None:
     """Queue the compilation of the kernels a GPU run of ``options`` (``DenoiseOptions``) over T =
-    ``n_volumes`` launches, on ``COMPILE_THREADS`` threads, and return at once: (the file that records those
-    kernels compiled, for ``mark_compiled`` after the run (None: none); how many compilations were queued).
+    ``n_volumes`` launches, on ``COMPILE_THREADS`` threads, and return at once (``KernelsAhead``).
 
-    Nothing is queued where that file is in ``cache_dir`` (Triton's cache folder: ``use_kernel_cache``), under
-    the interpreter, or where this Triton lacks the asynchronous compilation this needs
-    (``triton.runtime._async_compile``). ``backend`` (``denoise_gpu``) runs on
+    Nothing is queued (None) where the file that records them compiled is in ``cache_dir`` (Triton's cache
+    folder: ``use_kernel_cache``), under the interpreter, or where this Triton lacks the asynchronous
+    compilation this needs (``triton.runtime._async_compile``). ``backend`` (``denoise_gpu``) runs on
     ``warm_up_grids``, with a noise map of the same kind, each launch a compilation only
-    (``triton.JITFunction.run``'s ``warmup``). What it reads back from the device is meaningless, and any error
-    it meets ends it: the kernels queued so far still compile, and the run compiles any other itself. A run
-    over a masked or partly non-finite image may take the fused kernels where these grids take the box sums:
-    those it compiles itself.
+    (``triton.JITFunction.run``'s ``warmup``). What it reads back from the device is meaningless (the windows
+    its settling passes choose on the device are none, ``settling.choose_windows``), and any error it meets
+    ends it: the kernels queued so far still compile, and the run compiles any other itself. The run waits
+    for a kernel still compiling where Triton keeps the queued compilation in its cache (Triton 3.9 does);
+    where it does not (3.6), each one that ends is put there, and a run that needs one still under way
+    compiles it itself (the same kernel). A run over a masked or partly non-finite image may take the fused
+    kernels where these grids take the box sums: those it compiles itself.
     """
     if os.environ.get("TRITON_INTERPRET") == "1" or compiling_only():
-        return None, 0
+        return None
     marker = _compiled_marker(Path(cache_dir), n_volumes, options)
     if str(marker) in _compiled or marker.exists():
         _compiled.add(str(marker))
-        return str(marker), 0
+        return None
     try:
         from triton.runtime import _async_compile
     except ImportError:
-        return None, 0
+        return None
     _let_launches_only_compile()
     mode = _async_compile.AsyncCompileMode(_compile_pool())
     only, asynchronous = _compile_only.set(True), _async_compile.active_mode.set(mode)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for grid in warm_up_grids(options.extent, options.stride):
-                _compiling_run(backend, grid, n_volumes, options)
+        for grid in warm_up_grids(options.extent, options.stride):
+            _compiling_run(backend, grid, n_volumes, options)
     except Exception:  # noqa: BLE001 - a dry run over uninitialised results may fail anywhere; see above
         pass
     finally:
         _async_compile.active_mode.reset(asynchronous)
         _compile_only.reset(only)
-    return str(marker), len(mode.raw_futures)
+    if "__getattr__" not in vars(_async_compile.FutureKernel):  # (Triton 3.6: not in the kernel cache)
+        for future in mode.raw_futures:
+            future.add_done_callback(lambda done, queued=mode.future_kernels[future._key]: queued.result(True))
+    _queued.extend(mode.raw_futures)
+    return KernelsAhead(str(marker), mode.raw_futures)
+
+
+def wait_for_compilations() -> None:
+    """Wait until every compilation this process queued has ended (the warm-up: nothing left behind)."""
+    for future in list(_queued):
+        future.exception()
 
 
 def compiling_only() -> bool:
@@ -176,9 +217,9 @@ def compiling_only() -> bool:
     return _compile_only.get()
 
 
-def mark_compiled(marker: str | None) -> None:
-    """Record (``compile_ahead``'s file) that this machine has compiled a run's kernels."""
-    if marker is None or marker in _compiled:
+def _write_marker(marker: str) -> None:
+    """Record (``KernelsAhead``'s file) that this machine has compiled a run's kernels."""
+    if marker in _compiled:
         return
     _compiled.add(marker)
     try:
@@ -224,6 +265,9 @@ def _kernel_sources() -> str:
 
 
 def _compile_pool() -> ThreadPoolExecutor:
+    """The threads that compile. The interpreter's exit waits for what they have queued (a first run's
+    variants its own run did not need: for the runs to come); ``os._exit`` (the command after a GPU run)
+    does not, and a later run queues what is missing again."""
     global _pool
     with _setting_up:
         if _pool is None:
