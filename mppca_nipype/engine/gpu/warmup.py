@@ -23,8 +23,8 @@ given) and in dwidenoise's mode.
 
 A machine's first run needs no warm-up to compile in parallel: before a run whose kernels this machine has not
 compiled for its options and T (``compile_ahead``), the backend runs on the small grids with every launch
-turned into a compilation, queued on ``COMPILE_THREADS`` threads; the run then finds each kernel compiled, or
-waits for the one it needs next, instead of compiling the run's variants one after the other.
+turned into a compilation, queued on ``COMPILE_THREADS`` threads, so that the run's variants compile side by
+side rather than one after the other as the run reaches them.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ _compile_only = ContextVar("mppca_compile_only", default=False)
 _setting_up = threading.Lock()
 _pool = None
 _compiled = set()  # the markers this process found or wrote
-_queued = []  # every compilation this process queued
+_queued = set()  # the compilations this process queued that have not ended
 
 
 class KernelsAhead:
@@ -202,7 +202,9 @@ def compile_ahead(n_volumes, options, backend, cache_dir) -> KernelsAhead | None
     if "__getattr__" not in vars(_async_compile.FutureKernel):  # (Triton 3.6: not in the kernel cache)
         for future in mode.raw_futures:
             future.add_done_callback(lambda done, queued=mode.future_kernels[future._key]: queued.result(True))
-    _queued.extend(mode.raw_futures)
+    for future in mode.raw_futures:
+        _queued.add(future)
+        future.add_done_callback(_queued.discard)
     return KernelsAhead(str(marker), mode.raw_futures)
 
 
