@@ -543,18 +543,24 @@ class NoiseResult:
 
 
 def noise_stride(data_shape, *, extent=DEFAULTS["extent"], shape=DEFAULTS["shape"]) -> int:
-    """``estimate_noise``'s grid step where none is given: NOISE_STRIDE, for spheres at most the largest step
+    """``estimate_noise``'s grid step where none is given: NOISE_STRIDE, or less for spheres
+    (``coarse_stride``). ``data_shape``: (X, Y, Z, T)."""
+    return coarse_stride(data_shape, NOISE_STRIDE, extent=extent, shape=shape)
+
+
+def coarse_stride(data_shape, at_most: int, *, extent=DEFAULTS["extent"], shape=DEFAULTS["shape"]) -> int:
+    """A grid step for a pass coarser than ``denoise``'s: ``at_most``, for spheres at most the largest step
     whose grid leaves no voxel outside every sphere (``patches.largest_sphere_stride``), as a cuboid's step is
     capped at its extent by the layout. ``data_shape``: (X, Y, Z, T)."""
     if shape != "sphere":
-        return NOISE_STRIDE
+        return at_most
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", MPPCAWarning)  # (``resolve_options`` gives them)
             cube = resolve_sphere(resolve_extent(extent, data_shape[:3], data_shape[3]), data_shape[:3])
     except ValueError:  # (refused by ``resolve_options``, in its own sentence)
-        return NOISE_STRIDE
-    return largest_sphere_stride(data_shape[:3], cube[0] // 2, NOISE_STRIDE)
+        return at_most
+    return largest_sphere_stride(data_shape[:3], cube[0] // 2, at_most)
 
 
 def estimate_noise(data, mask=None, *, extent=DEFAULTS["extent"], stride=None,
