@@ -53,7 +53,7 @@ RADIANS_SLACK = 1e-3
 
 #: How much coarser than the run's own the grid of ``phase_method="mppca"``'s first pass is: that pass feeds only
 #: the smooth background phase, and on the complex phantoms at SNR 2-20 twice the step left the head's RMSE
-#: within 0.5%, the whole image's 1-4% lower and the bias within 1.3 of the run's own grid, for a fraction of
+#: within 0.5%, the whole image's 0.7-2% lower and the bias within 1.3 of the run's own grid, for a fraction of
 #: the windows (docs/benchmarks.md, "Complex data").
 FIRST_PASS_COARSENING = 2
 
