@@ -261,6 +261,10 @@ def test_the_mppca_phase_method_denoises_first_and_lowers_the_whole_image_error(
         errors[method] = np.sqrt(np.mean((result.denoised - truth) ** 2))
     assert errors["mppca"] < 0.9 * errors["hann"]
     assert "first pass" in result.info["seconds"]
+    assert result.info["phase_first_pass_stride"] == 2 * result.info["stride"]  # (FIRST_PASS_COARSENING)
+    centre = denoise_complex(magnitude, phase, phase_method="mppca", device="cpu", nprocs=1, extent=5, stride=1,
+                             aggregation="center")  # its first pass too takes every voxel's own window
+    assert centre.info["phase_first_pass_stride"] == 1
 
 
 def test_an_unknown_phase_method_fails_with_one_sentence():

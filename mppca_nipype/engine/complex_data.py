@@ -259,8 +259,9 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         image = None  # built where the steps run (below)
     run_options = dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory, progress=progress)
 
-    def first_pass(parts):  # phase_method "mppca": the complex series denoised as 2T real volumes, coarser
-        first = dict(options)
+    first = dict(options)  # phase_method "mppca": the complex series denoised as 2T real volumes, coarser
+
+    def first_pass(parts):
         if options["aggregation"] != "center":  # (centre aggregation takes every voxel's own window: stride 1)
             first["stride"] = coarse_stride(parts.shape, options["stride"] * FIRST_PASS_COARSENING,
                                             extent=options["extent"], shape=options["shape"])
@@ -305,6 +306,7 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     lap("remodulation")
     info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width),
                 phase_passes=int(phase_passes), phase_units=units, steps_device="cuda" if on_gpu else "cpu",
+                **(dict(phase_first_pass_stride=int(first["stride"])) if phase_method == "mppca" else {}),
                 magnitude=magnitude_out, imaginary_sd_ratio=ratio, seconds=dict(result.info["seconds"], **seconds))
     return ComplexDenoiseResult(magnitude_denoised.astype(np.float32, copy=False), out_phase, result.sigma,
                                 result.rank, info)
