@@ -259,12 +259,15 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         image = None  # built where the steps run (below)
     run_options = dict(device=device, nprocs=nprocs, gpu_memory=gpu_memory, progress=progress)
 
-    first = dict(options)  # phase_method "mppca": the complex series denoised as 2T real volumes, coarser
+    # phase_method "mppca": the complex series denoised as 2T real volumes, on a coarser grid (centre
+    # aggregation takes every voxel's own window: stride 1)
+    first = dict(options)
+    if options["aggregation"] != "center":
+        first["stride"] = coarse_stride((*magnitude.shape[:3], 2 * magnitude.shape[3]),
+                                        options["stride"] * FIRST_PASS_COARSENING, extent=options["extent"],
+                                        shape=options["shape"])
 
     def first_pass(parts):
-        if options["aggregation"] != "center":  # (centre aggregation takes every voxel's own window: stride 1)
-            first["stride"] = coarse_stride(parts.shape, options["stride"] * FIRST_PASS_COARSENING,
-                                            extent=options["extent"], shape=options["shape"])
         return denoise(parts, mask, **first, **run_options).denoised
 
     # the steps over the whole series run where the engine does: with torch on the GPU, else with NumPy here

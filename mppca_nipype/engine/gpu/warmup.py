@@ -199,10 +199,10 @@ def compile_ahead(n_volumes, options, backend, cache_dir) -> KernelsAhead | None
     finally:
         _async_compile.active_mode.reset(asynchronous)
         _compile_only.reset(only)
-    if "__getattr__" not in vars(_async_compile.FutureKernel):  # (Triton 3.6: not in the kernel cache)
-        for future in mode.raw_futures:
-            future.add_done_callback(lambda done, queued=mode.future_kernels[future._key]: queued.result(True))
+    in_kernel_cache = "__getattr__" in vars(_async_compile.FutureKernel)  # (Triton 3.6: it is not)
     for future in mode.raw_futures:
+        if not in_kernel_cache:  # put there as it ends
+            future.add_done_callback(lambda done, queued=mode.future_kernels[future._key]: queued.result(True))
         _queued.add(future)
         future.add_done_callback(_queued.discard)
     return KernelsAhead(str(marker), mode.raw_futures)
