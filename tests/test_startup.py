@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 
 import nibabel as nib
 import numpy as np
@@ -403,24 +404,120 @@ def test_a_script_without_a_main_guard_runs_in_one_process_and_says_why(tmp_path
     assert unguarded[1] == called_from_a_function[1] == guarded[1]
 
 
-def test_a_usable_gpu_starts_hashing_triton_beside_the_run(monkeypatch):
-    """Once ``usable()`` has found a GPU, Triton's own hash (its cache keys' first part, 0.3-0.4 s per process on
-    the H200 machine) is computed on a thread: the first kernel launch finds it done."""
+def test_triton_is_hashed_once_per_installation_and_remembered(monkeypatch, tmp_path):
+    """Once ``usable()`` has found a GPU, Triton's own hash (its cache keys' first part, 0.5-0.8 s per process on
+    the H200 machine) is computed on a thread and kept in the kernel cache's folder; a later process reads it
+    there instead, and a Triton whose files changed is hashed anew."""
     pytest.importorskip("triton")
-    from triton.runtime.cache import triton_key
+    from triton.runtime import cache
 
     from mppca_nipype.engine import gpu
 
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cache, "triton_key", cache.triton_key)  # (put back after the test)
+    cache.triton_key.cache_clear()
     monkeypatch.setattr(gpu, "_triton_hashing", None)
-    triton_key.cache_clear()
-    gpu._hash_triton_in_the_background()
+    gpu._settle_triton_key()
     thread = gpu._triton_hashing
-    assert thread is not None and thread.daemon
-    gpu._hash_triton_in_the_background()  # once per process
+    assert thread.daemon
+    gpu._settle_triton_key()  # once per process
     assert gpu._triton_hashing is thread
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert triton_key.cache_info().currsize == 1
-    assert triton_key.cache_info().hits == 0  # (the thread's call filled it; nothing else asked)
-    triton_key()
-    assert triton_key.cache_info().hits == 1
+    assert cache.triton_key.cache_info().currsize == 1
+    key = cache.triton_key()
+    remembered = list(tmp_path.glob("mppca-nipype-compiled/triton-key-*"))
+    assert len(remembered) == 1 and remembered[0].read_text() == key
+    assert not list(tmp_path.glob("mppca-nipype-compiled/.*"))  # (no temporary file left)
+
+    # a later process: the key read back, Triton's files not hashed
+    monkeypatch.setattr(gpu, "_triton_hashing", None)
+    cache.triton_key.cache_clear()
+    gpu._settle_triton_key()
+    assert gpu._triton_hashing is True
+    assert cache.triton_key() == key
+    assert cache.get_cache_key.__globals__["triton_key"]() == key
+
+    # another installation (here: another fingerprint) is hashed anew, beside the first one's file
+    monkeypatch.setattr(gpu, "_triton_files_fingerprint", lambda triton_dir: "0" * 32)
+    monkeypatch.setattr(gpu, "_triton_hashing", None)
+    gpu._settle_triton_key()
+    assert isinstance(gpu._triton_hashing, threading.Thread)
+    gpu._triton_hashing.join(timeout=60)
+    assert (tmp_path / "mppca-nipype-compiled" / ("triton-key-" + "0" * 32)).read_text() == key
+
+
+def test_the_triton_fingerprint_changes_with_any_file_triton_hashes(tmp_path):
+    from mppca_nipype.engine import gpu
+
+    for name in ("runtime/cache.py", "_C/libtriton.so", "compiler/compiler.py", "backends/nvidia/driver.py",
+                 "language/core.py", "tools/other.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    first = gpu._triton_files_fingerprint(tmp_path)
+    assert gpu._triton_files_fingerprint(tmp_path) == first
+    (tmp_path / "tools/other.py").write_text("not hashed by Triton")
+    assert gpu._triton_files_fingerprint(tmp_path) == first
+    seen = {first}
+    for number, name in enumerate(("runtime/cache.py", "_C/libtriton.so", "backends/nvidia/driver.py",
+                                   "language/core.py")):
+        os.utime(tmp_path / name, ns=(0, 10**9 * (number + 1)))  # (as rewritten at another time)
+        fingerprint = gpu._triton_files_fingerprint(tmp_path)
+        assert fingerprint not in seen, name
+        seen.add(fingerprint)
+    (tmp_path / "compiler" / "new.py").write_text("")
+    assert gpu._triton_files_fingerprint(tmp_path) not in seen
+    (tmp_path / "compiler" / "new.py").unlink()
+    (tmp_path / "compiler" / "compiler.py").write_text("longer than before")
+    assert gpu._triton_files_fingerprint(tmp_path) not in seen
+
+
+CUDA_STARTED_BESIDE_TORCH = """\
+import ctypes, sys
+from mppca_nipype.engine import gpu
+assert "torch" not in sys.modules
+assert gpu.usable() is None
+gpu._cuda_start.join(timeout=60)
+driver = ctypes.CDLL("libcuda.so.1")
+flags, active = ctypes.c_uint(), ctypes.c_int()
+assert driver.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0
+assert active.value == 1  # (started by the thread: torch has allocated nothing yet)
+import torch
+torch.ones(4, device="cuda").sum().item()
+current, primary = ctypes.c_void_p(), ctypes.c_void_p()
+assert driver.cuCtxGetCurrent(ctypes.byref(current)) == 0
+assert driver.cuDevicePrimaryCtxRetain(ctypes.byref(primary), 0) == 0
+assert current.value == primary.value  # torch runs in the context the thread started
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_a_usable_gpu_starts_the_context_torch_uses_beside_its_import():
+    from mppca_nipype.engine.gpu import absent_reason, visible_devices
+
+    if absent_reason() is not None or len(visible_devices()) != 1:
+        pytest.skip("needs exactly one visible GPU")
+    result = subprocess.run([sys.executable, "-c", CUDA_STARTED_BESIDE_TORCH], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_cuda_is_started_early_only_before_torch_and_with_one_visible_device(monkeypatch):
+    from mppca_nipype.engine import gpu
+
+    monkeypatch.setattr(gpu, "_cuda_start", None)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    gpu._start_cuda_beside_torchs_import()  # torch imported already: nothing to overlap
+    assert gpu._cuda_start is None
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    gpu._start_cuda_beside_torchs_import()  # a run may be given either device
+    assert gpu._cuda_start is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-uuid")
+    monkeypatch.setattr(gpu.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    gpu._start_cuda_beside_torchs_import()  # no driver library here: the thread ends quietly
+    gpu._cuda_start.join(timeout=10)
+    assert not gpu._cuda_start.is_alive()

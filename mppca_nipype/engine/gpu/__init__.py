@@ -9,6 +9,9 @@ points Triton's kernel cache at a folder that outlives the process and can be wr
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -98,6 +101,7 @@ def usable() -> str | None:
     reason = absent_reason()
     if reason:
         return reason
+    _start_cuda_beside_torchs_import()
     try:
         import torch
     except ImportError:
@@ -114,34 +118,131 @@ def usable() -> str | None:
         return f"the CUDA device cannot be used ({type(err).__name__}: {err})"
     if major < 7:
         return f"the CUDA device has compute capability {major}.x; the Triton kernels need 7.0 or newer"
-    _hash_triton_in_the_background()
+    _settle_triton_key()
     return None
 
 
+#: The thread starting CUDA beside torch's import (``_start_cuda_beside_torchs_import``), once a process.
+_cuda_start = None
+
+
+def _start_cuda_beside_torchs_import() -> None:
+    """Start CUDA's driver and the device's primary context (the one torch's runtime uses) on a thread, through
+    the driver's own library, while this thread imports torch: on the H200 machine the two take ~0.2 s and
+    ~0.2-0.3 s that would otherwise follow the import (1.5-2 s), at the check and at the first allocation.
+
+    Only where torch is not imported yet (else there is nothing to overlap) and exactly one device is visible:
+    it is the one any run uses (with several, a run may be given another, ``interfaces.gpu_slot``, and a context
+    on the first would only hold its memory). Anything that fails here is left for torch to meet and report."""
+    global _cuda_start
+    if _cuda_start is not None or "torch" in sys.modules or not sys.platform.startswith("linux") \
+            or len(visible_devices()) != 1:
+        return
+
+    def start():
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        if driver.cuInit(0) == 0 and driver.cuDeviceGet(ctypes.byref(device), 0) == 0:
+            driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)  # (kept until the process ends)
+
+    _cuda_start = threading.Thread(target=start, name="mppca-cuda-start", daemon=True)
+    _cuda_start.start()
+
+
+#: The thread hashing Triton's files for this process (``_settle_triton_key``), where their hash was
+#: not remembered; True once the hash was read from where it is remembered.
 _triton_hashing = None
 
+#: The file that remembers Triton's hash for one installation of Triton: in the kernel cache's folder, named by
+#: ``_triton_files_fingerprint``.
+TRITON_KEY_FILE = Path("mppca-nipype-compiled", "triton-key-{fingerprint}")
 
-def _hash_triton_in_the_background() -> None:
-    """Start computing, on a thread, the part of every Triton cache key that hashes Triton's own files
-    (``triton.runtime.cache.triton_key``: SHA-256 over its ~400 MB compiler library, 0.3-0.4 s on the H200
-    machine, once per process, at the first kernel launch): it then runs beside torch's start, the read and
-    the plan, and the hashing releases the GIL. Should the first launch come first, it hashes beside the
-    thread (the function caches its result; the two are the same) and waits no longer than without it."""
+
+def _settle_triton_key() -> None:
+    """Give this process the part of every Triton cache key that hashes Triton's own files
+    (``triton.runtime.cache.triton_key``: SHA-256 over its ~400-500 MB compiler library, 0.5-0.8 s of a warm
+    GPU run on the H200 machine, once per process, at the first kernel launch) without hashing them.
+
+    The hash is remembered in the kernel cache's folder (``TRITON_KEY_FILE``) under a fingerprint of the files
+    it covers: their paths, sizes, inodes and modification and change times (``_triton_files_fingerprint``,
+    a few hundred files stat-ed in milliseconds). A reinstalled or edited Triton has another fingerprint, and
+    its hash is computed anew. Where the file is there, ``triton_key`` returns its text (as Triton's own
+    compile workers are given the parent's key); where it is not, the hash is computed on a thread (hashing
+    releases the GIL: it runs beside torch's start, the read and the plan; a first launch that comes first
+    hashes beside it and waits no longer than without it) and written there."""
     global _triton_hashing
     if _triton_hashing is not None:
         return
     try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # (a Triton that keys its cache otherwise)
+        from triton.runtime import cache
+        triton_key = cache.triton_key
+    except (ImportError, AttributeError):  # (a Triton that keys its cache otherwise)
         return
-    def hash_quietly():
-        try:
-            triton_key()
-        except Exception:  # noqa: BLE001 - the first launch calls it again and reports what went wrong
-            pass
+    remembered = _remembered_triton_key_file(Path(cache.__file__).resolve().parents[1])
+    try:
+        key = remembered.read_text() if remembered is not None else ""
+    except OSError:
+        key = ""
+    if key:
+        cache.triton_key = lambda: key
+        _triton_hashing = True
+        return
 
-    _triton_hashing = threading.Thread(target=hash_quietly, name="mppca-triton-key", daemon=True)
+    def hash_and_remember():
+        try:
+            key = triton_key()
+        except Exception:  # noqa: BLE001 - the first launch calls it again and reports what went wrong
+            return
+        if remembered is not None:
+            _write_whole(remembered, key)
+
+    _triton_hashing = threading.Thread(target=hash_and_remember, name="mppca-triton-key", daemon=True)
     _triton_hashing.start()
+
+
+def _remembered_triton_key_file(triton_dir: Path) -> Path | None:
+    """Where the hash of the Triton in ``triton_dir`` is remembered (``TRITON_KEY_FILE``); None where its files
+    cannot be listed."""
+    try:
+        fingerprint = _triton_files_fingerprint(triton_dir)
+    except OSError:
+        return None
+    return Path(use_kernel_cache()) / str(TRITON_KEY_FILE).format(fingerprint=fingerprint)
+
+
+def _triton_files_fingerprint(triton_dir: Path) -> str:
+    """A digest of the identity of every file ``triton_key`` hashes under ``triton_dir`` (its compiler,
+    backends, language, cache module and ``_C/libtriton*``): path, size, inode, and modification and change
+    times in nanoseconds. Rewriting a file changes its change time at least, which no one can set back."""
+    files = [triton_dir / "runtime" / "cache.py", *sorted((triton_dir / "_C").glob("libtriton*"))]
+    for package in ("compiler", "backends", "language"):
+        files += sorted((triton_dir / package).rglob("*.py"))
+    digest = hashlib.sha256(str(triton_dir).encode())
+    for file in files:
+        status = file.stat()
+        digest.update(repr((str(file.relative_to(triton_dir)), status.st_size, status.st_ino, status.st_mtime_ns,
+                            status.st_ctime_ns)).encode())
+    return digest.hexdigest()[:32]
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its folder renamed onto it, so that a reader finds
+    the whole text or no file; quietly nothing where the folder cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError:
+        return
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
 
 
 def _driver_devices() -> int:
