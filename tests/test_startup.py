@@ -426,9 +426,8 @@ def test_triton_is_hashed_once_per_installation_and_remembered(monkeypatch, tmp_
     assert not thread.is_alive()
     assert cache.triton_key.cache_info().currsize == 1
     key = cache.triton_key()
-    remembered = list(tmp_path.glob("mppca-nipype-compiled/triton-key-*"))
-    assert len(remembered) == 1 and remembered[0].read_text() == key
-    assert not list(tmp_path.glob("mppca-nipype-compiled/.*"))  # (no temporary file left)
+    remembered = list((tmp_path / "mppca-nipype-triton-key").iterdir())
+    assert len(remembered) == 1 and remembered[0].read_text() == key  # (no temporary file left beside it)
 
     # a later process: the key read back, Triton's files not hashed
     monkeypatch.setattr(gpu, "_triton_hashing", None)
@@ -444,7 +443,7 @@ def test_triton_is_hashed_once_per_installation_and_remembered(monkeypatch, tmp_
     gpu._settle_triton_key()
     assert isinstance(gpu._triton_hashing, threading.Thread)
     gpu._triton_hashing.join(timeout=60)
-    assert (tmp_path / "mppca-nipype-compiled" / ("triton-key-" + "0" * 32)).read_text() == key
+    assert (tmp_path / "mppca-nipype-triton-key" / ("0" * 32)).read_text() == key
 
 
 def test_the_triton_fingerprint_changes_with_any_file_triton_hashes(tmp_path):

@@ -158,7 +158,7 @@ _triton_hashing = None
 
 #: The file that remembers Triton's hash for one installation of Triton: in the kernel cache's folder, named by
 #: ``_triton_files_fingerprint``.
-TRITON_KEY_FILE = Path("mppca-nipype-compiled", "triton-key-{fingerprint}")
+TRITON_KEY_FILE = Path("mppca-nipype-triton-key", "{fingerprint}")
 
 
 def _settle_triton_key() -> None:
