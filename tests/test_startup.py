@@ -520,3 +520,19 @@ def test_cuda_is_started_early_only_before_torch_and_with_one_visible_device(mon
     gpu._start_cuda_beside_torchs_import()  # no driver library here: the thread ends quietly
     gpu._cuda_start.join(timeout=10)
     assert not gpu._cuda_start.is_alive()
+
+
+def test_the_warm_up_runs_dwidenoise_mode_with_its_own_estimator_unless_one_is_given():
+    """The parser gives ``--estimator`` its default; passed on, it replaced dwidenoise's mode's exp2, and runs in
+    that mode compiled their threshold kernels after a warm-up (H200, ``_threshold_kernel`` x3)."""
+    from mppca_nipype.cli.denoise import build_parser, warm_up_options
+    from mppca_nipype.engine import DEFAULTS, DWIDENOISE_MODE
+    from mppca_nipype.engine.gpu.warmup import warm_up_runs
+
+    def estimators(*argv):
+        runs = warm_up_runs([20], warm_up_options(build_parser().parse_args(["--warm-up", "20", *argv])))
+        return {run.mode: run.options["estimator"] for run in runs}
+
+    assert estimators() == {"the defaults": DEFAULTS["estimator"], "dwidenoise's mode": DWIDENOISE_MODE["estimator"]}
+    assert estimators("--estimator", "med") == {"the options given": "med", "dwidenoise's mode": "med"}
+    assert warm_up_options(build_parser().parse_args(["--warm-up", "20", "--extent", "9"])) == {"extent": 9}

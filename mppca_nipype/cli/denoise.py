@@ -386,13 +386,12 @@ def warm_up(args, parser) -> None:
     GPU can be used: one sentence, and nothing else to do (``--device cuda``: that is an error)."""
     if args.device == "cpu":
         parser.error("--warm-up compiles the GPU engine's kernels and cannot run with --device cpu")
-    options = dict(extent=args.extent, stride=args.stride, shape=args.shape, estimator=args.estimator,
-                   aggregation=args.aggregation, demean=args.demean, filter=args.filter)
+    options = warm_up_options(args)
     for n_volumes in args.warm_up:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", MPPCAWarning)
-                resolve_options((1001, 1001, 1001, n_volumes), **options)
+                resolve_options((1001, 1001, 1001, n_volumes), **{**DEFAULTS, **options})
         except MPPCAInputError as err:
             parser.error(str(err))
     from ..engine.gpu import usable, use_kernel_cache
@@ -426,6 +425,15 @@ def warm_up(args, parser) -> None:
         what = (f"{sum(compiled.values())} kernel variants compiled into {cache}" if compiled
                 else f"every kernel was in {cache} already")
         say(f"{PROG}: warm-up: done in {seconds:.1f} s; {what}")
+
+
+def warm_up_options(args) -> dict:
+    """The denoising options of ``--warm-up``: those of the command line that differ from the defaults. The
+    parser gives every option a value, and ``warm_up_runs`` takes an estimator given into dwidenoise's mode
+    too (as dwidenoise's ``-estimator``): the default's passed on would replace that mode's own."""
+    options = dict(extent=args.extent, stride=args.stride, shape=args.shape, estimator=args.estimator,
+                   aggregation=args.aggregation, demean=args.demean, filter=args.filter)
+    return {name: value for name, value in options.items() if value not in (None, DEFAULTS[name])}
 
 
 def _compiled_kernels(cache: Path) -> dict:
