@@ -25,13 +25,17 @@ where no GPU is usable; so are dwidenoise's where it is not installed.
 Each time is the wall time of the process, taken from outside. Ours also prints its phases (``--timings``:
 start-up, checks, read, denoise and the engine's parts, write, total); the BIDS app's sidecars give each
 denoised run's read, denoise and write, summed here over the runs. The rows run interleaved: ``--repeats``
-rounds, each running every row once; each row's best and median, and the phases of its median run.
+rounds, each running every row once; each row's best and median, and the phases of its median run. With
+``--baseline CHECKOUT`` each row of ours has a twin, ``NAME@baseline``, run from another checkout of this
+repository right after it in every round, and a table sets the two side by side (a change's effect, measured
+in one run).
 
 Usage (from the repository root)::
 
     python benchmarks/end_to_end.py                        # the default rows at the default sizes
     python benchmarks/end_to_end.py --small --rows '*:cpu,*:dwidenoise'     # a check on a small CPU machine
     python benchmarks/end_to_end.py --subjects 4 --repeats 2 --budget 480 --rows 'nii:*,seed:*,bids:*'
+    python benchmarks/end_to_end.py --rows seed:cuda,nii:cuda --repeats 4 --baseline ../before   # a change
 
 Writes JSON to ``--out`` (default benchmarks/results/end_to_end.json) and the Markdown tables next to it
 (``.md``) after every run, so that a run stopped from outside keeps what it finished; ``--budget`` starts
@@ -45,6 +49,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 import fnmatch
 import json
+import os
 from pathlib import Path
 import re
 import shlex
@@ -106,6 +111,7 @@ class Row:
     program: str  # "ours", "dwidenoise" or "bids"
     device: str | None = None  # ours' and the BIDS app's --device
     first_run: bool = False  # on an empty Triton cache
+    baseline: bool = False  # ours from ``--baseline``'s checkout
 
     @property
     def on_gpu(self) -> bool:
@@ -125,9 +131,10 @@ def all_rows() -> list[Row]:
     return rows
 
 
-def select_rows(patterns: str) -> list[Row]:
+def select_rows(patterns: str, baseline=False) -> list[Row]:
     """The rows whose names match any of the comma-separated wildcard patterns and none of those given with
-    a leading '-', in round order."""
+    a leading '-', in round order; with ``baseline``, each row of ours followed by its twin from the baseline
+    checkout (``NAME@baseline``)."""
     wanted = [p.strip() for p in patterns.split(",") if p.strip()]
     rows = all_rows()
     for pattern in wanted:
@@ -135,8 +142,12 @@ def select_rows(patterns: str) -> list[Row]:
             raise SystemExit(f"--rows: {pattern!r} matches no row (rows: {', '.join(r.name for r in rows)})")
     include = [p for p in wanted if not p.startswith("-")]
     exclude = [p[1:] for p in wanted if p.startswith("-")]
-    return [row for row in rows if any(fnmatch.fnmatchcase(row.name, p) for p in include)
-            and not any(fnmatch.fnmatchcase(row.name, p) for p in exclude)]
+    chosen = [row for row in rows if any(fnmatch.fnmatchcase(row.name, p) for p in include)
+              and not any(fnmatch.fnmatchcase(row.name, p) for p in exclude)]
+    if not baseline:
+        return chosen
+    return [twin for row in chosen for twin in ([row, replace(row, name=f"{row.name}@baseline", baseline=True)]
+                                                 if row.program == "ours" else [row])]
 
 
 # -- the programs --------------------------------------------------------------------------------------------
@@ -201,6 +212,12 @@ def shape_text(shape) -> str:
 
 # -- one run of a row ----------------------------------------------------------------------------------------
 
+def baseline_env(checkout: Path) -> dict:
+    """The environment of the baseline's command: its checkout's package first on the path."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(checkout), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+
+
 def command_of(row: Row, folder: Path, out: Path, cpus: int) -> list[str]:
     """The command line of one run of ``row``: inputs in ``folder``, outputs into ``out``."""
     if row.program == "bids":
@@ -213,7 +230,10 @@ def command_of(row: Row, folder: Path, out: Path, cpus: int) -> list[str]:
         return ["dwidenoise", str(folder / source), str(out / f"denoised{suffix}"), "-noise",
                 str(out / f"noise{suffix}"), "-nthreads", str(cpus), "-quiet"]
     flags = [item for key, value in options.items() for item in (f"--{key}", str(value))]
-    return [*program("mppca-denoise", "mppca_nipype.cli.denoise"), str(folder / source),
+    # (the baseline's package by its path: not this one's console script)
+    starts = [sys.executable, "-m", "mppca_nipype.cli.denoise"] if row.baseline else program(
+        "mppca-denoise", "mppca_nipype.cli.denoise")
+    return [*starts, str(folder / source),
             str(out / f"denoised{suffix}"), "--noise", str(out / f"noise{suffix}"), "--rank",
             str(out / f"rank{suffix}"), "--device", row.device, "--timings", *flags]
 
@@ -234,16 +254,16 @@ _DONE = re.compile(r"^mppca-nipype: done in (?P<seconds>[\d.]+) s", re.M)
 
 
 def run_once(row: Row, folder: Path, warm_cache: Path, cpus: int, timeout: float,
-             participants=None) -> dict:
+             participants=None, baseline: Path | None = None) -> dict:
     """One run of ``row`` as a new process, timed from outside; what it printed of its phases, read back.
 
     Returns {"wall_s", "status"} and, by program, "phases" and "ran_on" (ours), "app_done_s", "runs" and
     "phases" summed over them (the BIDS app), or "error". ``participants``: the BIDS app's
-    ``--participant-label`` (the warm-up runs one subject).
+    ``--participant-label`` (the warm-up runs one subject). ``baseline``: the checkout a baseline row runs.
     """
     out = Path(tempfile.mkdtemp(prefix=f"{row.problem}-", dir=folder / "runs"))
     cache = Path(tempfile.mkdtemp(prefix="triton-empty-", dir=folder / "runs")) if row.first_run else warm_cache
-    env = dict(ours_env(), TRITON_CACHE_DIR=str(cache))
+    env = dict(baseline_env(baseline) if row.baseline else ours_env(), TRITON_CACHE_DIR=str(cache))
     if row.program == "dwidenoise":
         env.update(OMP_NUM_THREADS=str(cpus), MRTRIX_QUIET="1")
     command = command_of(row, folder, out, cpus)
@@ -252,7 +272,9 @@ def run_once(row: Row, folder: Path, warm_cache: Path, cpus: int, timeout: float
     try:
         started = time.perf_counter()
         try:
-            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+            # (in the baseline's checkout: ``python -m`` puts the working folder first on the path)
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout,
+                                  cwd=baseline if row.baseline else None)
         except subprocess.TimeoutExpired:
             return dict(wall_s=round(time.perf_counter() - started, 3), status=None,
                         error=f"stopped after {timeout:g} s")
@@ -332,7 +354,7 @@ def summarise(row: Row, runs: list[dict]) -> dict:
     return summary
 
 
-def warm_up(rows: list[Row], folder: Path, warm_cache: Path, cpus: int, timeout: float):
+def warm_up(rows: list[Row], folder: Path, warm_cache: Path, cpus: int, timeout: float, baseline=None):
     """Untimed runs before the rounds: ours once on a tiny series on the CPU (the files every process loads
     come into the page cache), and each problem that has a warm GPU row once on the GPU, filling the shared
     Triton cache (.nii and .nii.gz once for both; the BIDS app on its first subject only)."""
@@ -352,7 +374,7 @@ def warm_up(rows: list[Row], folder: Path, warm_cache: Path, cpus: int, timeout:
     filled = set()
     for row in rows:
         # .nii and .nii.gz: the same series and options, so the same kernels
-        kernels = "nii" if row.problem == "gz" else row.problem
+        kernels = ("nii" if row.problem == "gz" else row.problem, row.baseline)
         if row.on_gpu and not row.first_run and kernels not in filled:
             filled.add(kernels)
             labels = None
@@ -361,7 +383,8 @@ def warm_up(rows: list[Row], folder: Path, warm_cache: Path, cpus: int, timeout:
 
                 labels = demo_subject_labels(1)
             log(f"warm-up: {row.problem} on the GPU (filling the Triton cache)")
-            record = run_once(replace(row, device="cuda"), folder, warm_cache, cpus, timeout, participants=labels)
+            record = run_once(replace(row, device="cuda"), folder, warm_cache, cpus, timeout, participants=labels,
+                              baseline=baseline)
             if "error" in record:
                 log(f"  the warm-up failed: {record['error']}")
 
@@ -396,7 +419,7 @@ def measure(args, rows: list[Row], sizes: Sizes, cpus: int, started: float, save
         began = time.perf_counter()
         inputs = write_inputs(base, sizes, rows, cpus)
         log(f"inputs written in {time.perf_counter() - began:.1f} s: {inputs}")
-        warm_up(rows, base, warm_cache, cpus, args.timeout)
+        warm_up(rows, base, warm_cache, cpus, args.timeout, args.baseline)
         commands = {row.name: shown_command(row, base, cpus) for row in rows}
         runs = {row.name: [] for row in rows}
 
@@ -407,7 +430,7 @@ def measure(args, rows: list[Row], sizes: Sizes, cpus: int, started: float, save
         for round_number in range(1, args.repeats + 1):
             began = time.perf_counter()
             for done, row in enumerate(rows, 1):
-                record = run_once(row, base, warm_cache, cpus, args.timeout)
+                record = run_once(row, base, warm_cache, cpus, args.timeout, baseline=args.baseline)
                 runs[row.name].append(record)
                 log(f"round {round_number}/{args.repeats}: {row.name}: {record['wall_s']:.2f} s"
                     + (f" (failed: {record['error']})" if "error" in record else ""))
@@ -449,6 +472,22 @@ def file_table(report: dict) -> str:
     if not lines:
         return ""
     return markdown_table(["series", *(name for name, _ in columns)], lines)
+
+
+def baseline_table(report: dict) -> str:
+    """Each row of ours beside its twin from the baseline checkout: best / median, and the median's ratio."""
+    by_name = {row["name"]: row for row in report["rows"]}
+    lines = []
+    for row in report["rows"]:
+        twin = by_name.get(f"{row['name']}@baseline")
+        if twin is None:
+            continue
+        ratio = (f"{row['median_s'] / twin['median_s']:.2f}x" if "median_s" in row and "median_s" in twin
+                 else "—")
+        lines.append([f"`{row['name']}`", seconds_cell(row), seconds_cell(twin), ratio])
+    if not lines:
+        return ""
+    return markdown_table(["row", "this checkout", "the baseline", "median / the baseline's"], lines)
 
 
 def bids_table(report: dict) -> str:
@@ -527,6 +566,11 @@ def report_markdown(report: dict) -> str:
     if table:
         lines += ["**File to file** (`mppca-denoise IN OUT --noise N --rank R --device D`; `dwidenoise IN OUT "
                   "-noise N -nthreads C`):", "", table, ""]
+    table = baseline_table(report)
+    if table:
+        baseline = report["settings"]["baseline"]
+        lines += [f"**Against the baseline** (commit {baseline['commit'] or 'unknown'}, `--baseline`; its rows "
+                  "interleaved with this checkout's in each round, best / median s):", "", table, ""]
     table = bids_table(report)
     if table:
         lines += [f"**The BIDS app** (`mppca-nipype BIDS_DIR OUT participant --device D "
@@ -587,9 +631,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop a run that takes longer than this, in seconds, and mark it failed (default 600)")
     parser.add_argument("--work", type=Path, help="where the inputs and outputs go while it runs (default: the "
                                                   "system's temporary folder)")
+    parser.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                        help="a checkout (or export) of this repository whose mppca-denoise runs beside this one's: "
+                             "each row of ours gets a twin NAME@baseline in every round; its commit is read with "
+                             f"git, else from ${BASELINE_COMMIT}")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "end_to_end.json",
                         help="JSON output; the Markdown goes next to it as .md")
     return parser
+
+
+#: Where ``--baseline``'s commit is read from when its checkout has no git history (an export).
+BASELINE_COMMIT = "BASELINE_COMMIT"
+
+
+def baseline_commit(checkout: Path) -> str | None:
+    """The commit of the ``--baseline`` checkout: git's, else ``$BASELINE_COMMIT``, else None."""
+    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else os.environ.get(BASELINE_COMMIT)
 
 
 def main(argv=None):
@@ -603,14 +661,18 @@ def main(argv=None):
         parser.error(f"--seed-series: every side must be at least the extent {SEED_OPTIONS['extent']}")
     if args.repeats < 1 or sizes.subjects < 1 or (args.threads is not None and args.threads < 1):
         parser.error("--repeats, --subjects and --threads must be at least 1")
-    rows = select_rows(args.rows)
+    if args.baseline is not None and not (args.baseline / "mppca_nipype" / "__init__.py").is_file():
+        parser.error(f"--baseline {args.baseline}: no mppca_nipype package there")
+    rows = select_rows(args.rows, baseline=args.baseline is not None)
     pinned = pin_to_cores(args.threads) if args.threads else []
     from mppca_nipype.engine.backend import available_cpus
 
     cpus = available_cpus()
     run = harness.stamp()
     settings = dict(rows=[row.name for row in rows], sizes=asdict(sizes), repeats=args.repeats, cpus=cpus,
-                    pinned_cpus=pinned, timeout_s=args.timeout, budget_s=args.budget)
+                    pinned_cpus=pinned, timeout_s=args.timeout, budget_s=args.budget,
+                    baseline=None if args.baseline is None else dict(path=str(args.baseline),
+                                                                     commit=baseline_commit(args.baseline)))
     log(f"{run['hardware']['cpu_model']}: {cpus} CPUs; {harness.load_line(run)}; rows {', '.join(settings['rows'])}")
     finished = {}
 

@@ -47,3 +47,31 @@ def test_the_end_to_end_benchmark_times_each_row_and_reads_its_phases(tmp_path):
     assert report["stamp"]["commit"] in markdown
     assert "| 16x16x12x20, .nii -> .nii | — | — | — | — | " in markdown and "`--device cpu`" in markdown
     assert not list(tmp_path.glob("mppca-end-to-end-*")), "the inputs and outputs are removed at the end"
+
+
+def test_a_baseline_checkout_runs_beside_this_one_in_every_round(tmp_path):
+    import shutil
+
+    baseline = tmp_path / "baseline"
+    shutil.copytree(REPO / "mppca_nipype", baseline / "mppca_nipype",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    marker = tmp_path / "baseline-imported"
+    with open(baseline / "mppca_nipype" / "__init__.py", "a") as init:  # (proof that its package ran)
+        init.write(f"\nopen({str(marker)!r}, 'a').write('x')\n")
+    out = tmp_path / "end_to_end.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--seed-series", "16,16,12,16",
+               "--repeats", "2", "--rows", "seed:cpu", "--baseline", str(baseline), "--work", str(tmp_path),
+               "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               BASELINE_COMMIT="0123abc")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    report = json.loads(out.read_text())
+    assert report["settings"]["rows"] == ["seed:cpu", "seed:cpu@baseline"]
+    assert report["settings"]["baseline"] == {"path": str(baseline), "commit": "0123abc"}
+    assert [len(row["runs"]) for row in report["rows"]] == [2, 2]
+    assert marker.read_text() == "xx"  # the baseline's two timed runs, and no other run, imported its package
+    markdown = out.with_suffix(".md").read_text()
+    assert "**Against the baseline** (commit 0123abc" in markdown
+    assert "| `seed:cpu` |" in markdown.split("**Against the baseline**")[1].split("**Where")[0]
