@@ -15,6 +15,7 @@ Usage (from the repository root)::
 
     python benchmarks/complex_data.py --threads 2
     python benchmarks/complex_data.py --quick
+    python benchmarks/complex_data.py --filter hard --out benchmarks/results/complex_data_hard.json
 
 Writes JSON to ``--out`` (default benchmarks/results/complex_data.json) and the Markdown table next to it,
 stamped by ``harness.stamp()``; prints the table last.
@@ -34,6 +35,7 @@ if str(HERE) not in sys.path:
 import harness  # noqa: E402
 from mppca_nipype import denoise, denoise_complex  # noqa: E402
 from mppca_nipype.engine.complex_data import PHASE_PASSES, PHASE_WIDTH  # noqa: E402
+from mppca_nipype.engine.estimators import FILTERS as FILTER_CHOICES  # noqa: E402
 from mppca_nipype.phantoms import complex_dwi_phantom  # noqa: E402
 # the noise floor's phantom sizes and SNRs, so that the two tables compare
 from noise_floor import (QUICK_SHAPE, QUICK_SNRS, QUICK_VOLUMES, SHAPE, SNRS, VOLUMES, fmt,  # noqa: E402
@@ -47,19 +49,19 @@ def bench(args) -> list[dict]:
     for snr in args.snrs:
         sigma = 1000.0 / snr
         magnitude, phase, truth, _, _, _ = complex_dwi_phantom(args.shape, args.volumes, sigma=sigma, seed=0)
-        runs = [("magnitude, none", lambda: denoise(magnitude, device="cpu", nprocs=args.threads)),
-                ("magnitude, rician", lambda: denoise(magnitude, device="cpu", nprocs=args.threads,
-                                                      noise_floor="rician"))]
+        given = dict(device="cpu", nprocs=args.threads, **({"filter": args.filter} if args.filter else {}))
+        runs = [("magnitude, none", lambda: denoise(magnitude, **given)),
+                ("magnitude, rician", lambda: denoise(magnitude, noise_floor="rician", **given))]
         for out in ("clip", "abs"):
-            runs.append((f"complex, {out}", lambda out=out: denoise_complex(
-                magnitude, phase, magnitude_out=out, device="cpu", nprocs=args.threads)))
+            runs.append((f"complex, {out}", lambda out=out: denoise_complex(magnitude, phase, magnitude_out=out,
+                                                                            **given)))
         runs.append(("complex, clip, mppca", lambda: denoise_complex(magnitude, phase, phase_method="mppca",
-                                                                     device="cpu", nprocs=args.threads)))
+                                                                     **given)))
         filters = FILTERS if args.widths else ()
         for width, passes in filters:
             if (width, passes) != (PHASE_WIDTH, PHASE_PASSES):
                 runs.append((f"complex, clip, Hann {width} x{passes}", lambda w=width, p=passes: denoise_complex(
-                    magnitude, phase, phase_width=w, phase_passes=p, device="cpu", nprocs=args.threads)))
+                    magnitude, phase, phase_width=w, phase_passes=p, **given)))
         for method, call in runs:
             started = time.perf_counter()
             result = call()
@@ -88,7 +90,9 @@ def markdown(result) -> str:
                      f"{fmt(row.get('imaginary_sd_ratio'), '.3f')} | {fmt(row['seconds'], '.2f')} |")
     settings = result["settings"]
     lines += ["", f"Phantom {'x'.join(map(str, settings['shape']))}, T = {settings['volumes']}, b = 0 signal "
-              f"near 1000; {settings['threads']} worker processes; `denoise`'s defaults otherwise; Hann width "
+              f"near 1000; {settings['threads']} worker processes; "
+              f"{'filter ' + repr(settings['filter']) + ', ' if settings.get('filter') else ''}"
+              "`denoise`'s defaults otherwise; Hann width "
               f"{settings['phase_width']}, {settings['phase_passes']} passes unless the row says.", "",
               harness.stamp_markdown(result["stamp"]), "", harness.load_note(result["stamp"])]
     return "\n".join(lines) + "\n"
@@ -99,6 +103,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="one small phantom at SNR 5")
     parser.add_argument("--widths", action="store_true", help="also compare the Hann filter's widths and passes")
     parser.add_argument("--threads", type=int, default=2, help="CPU worker processes (default 2)")
+    parser.add_argument("--filter", choices=FILTER_CHOICES,
+                        help="the eigenvalue filter of every run (default: denoise's own)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "complex_data.json")
     args = parser.parse_args(argv)
     args.shape = QUICK_SHAPE if args.quick else SHAPE
@@ -111,7 +117,7 @@ def main(argv=None):
     denoise(warm, device="cpu", nprocs=args.threads, noise_floor="rician")
     result = dict(stamp=run, settings=dict(threads=args.threads, quick=args.quick, shape=list(args.shape),
                                            volumes=args.volumes, snrs=list(args.snrs), phase_width=PHASE_WIDTH,
-                                           phase_passes=PHASE_PASSES),
+                                           phase_passes=PHASE_PASSES, filter=args.filter),
                   rows=bench(args))
     harness.finish(run)
     table = markdown(result)
