@@ -450,16 +450,17 @@ def test_the_triton_fingerprint_changes_with_any_file_triton_hashes(tmp_path):
     from mppca_nipype.engine import gpu
 
     for name in ("runtime/cache.py", "_C/libtriton.so", "compiler/compiler.py", "backends/nvidia/driver.py",
-                 "language/core.py", "tools/other.py"):
+                 "backends/nvidia/cuda_utils.so", "language/core.py", "tools/other.py", "language/notes.txt"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(name)
     first = gpu._triton_files_fingerprint(tmp_path)
     assert gpu._triton_files_fingerprint(tmp_path) == first
-    (tmp_path / "tools/other.py").write_text("not hashed by Triton")
-    assert gpu._triton_files_fingerprint(tmp_path) == first
+    for name in ("tools/other.py", "language/notes.txt"):
+        (tmp_path / name).write_text("not hashed by Triton")
+        assert gpu._triton_files_fingerprint(tmp_path) == first
     seen = {first}
     for number, name in enumerate(("runtime/cache.py", "_C/libtriton.so", "backends/nvidia/driver.py",
-                                   "language/core.py")):
+                                   "backends/nvidia/cuda_utils.so", "language/core.py")):
         os.utime(tmp_path / name, ns=(0, 10**9 * (number + 1)))  # (as rewritten at another time)
         fingerprint = gpu._triton_files_fingerprint(tmp_path)
         assert fingerprint not in seen, name

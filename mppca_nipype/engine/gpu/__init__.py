@@ -214,12 +214,13 @@ def _remembered_triton_key_file(triton_dir: Path) -> Path | None:
 
 
 def _triton_files_fingerprint(triton_dir: Path) -> str:
-    """A digest of the identity of every file ``triton_key`` hashes under ``triton_dir`` (its compiler,
-    backends, language, cache module and ``_C/libtriton*``): path, size, inode, and modification and change
-    times in nanoseconds. Rewriting a file changes its change time at least, which no one can set back."""
+    """A digest of the identity of every file ``triton_key`` hashes under ``triton_dir`` (the modules of its
+    compiler, backends and language, Python or compiled, its cache module and ``_C/libtriton*``): path, size,
+    inode, and modification and change times in nanoseconds. Rewriting a file changes its change time at
+    least, which no one can set back."""
     files = [triton_dir / "runtime" / "cache.py", *sorted((triton_dir / "_C").glob("libtriton*"))]
     for package in ("compiler", "backends", "language"):
-        files += sorted((triton_dir / package).rglob("*.py"))
+        files += sorted(path for suffix in ("*.py", "*.so") for path in (triton_dir / package).rglob(suffix))
     digest = hashlib.sha256(str(triton_dir).encode())
     for file in files:
         status = file.stat()
