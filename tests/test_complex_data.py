@@ -278,3 +278,31 @@ def test_the_filter_reaches_the_real_parts_denoising():
     shrunk = denoise_complex(magnitude, phase, device="cpu", nprocs=1, filter="optshrink")
     assert shrunk.info["filter"] == "optshrink" and hard.info["filter"] == "hard"
     assert not np.array_equal(shrunk.denoised, hard.denoised)
+
+
+def test_the_complex_benchmark_holds_the_filter_it_is_given(tmp_path):
+    """benchmarks/complex_data.py --quick --filter hard: every run takes the filter; its complex row scores
+    what denoise_complex(..., filter="hard") scores, not what the default filter does."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "benchmarks"))
+    try:
+        from noise_floor import QUICK_SHAPE, QUICK_SNRS, QUICK_VOLUMES, scores
+    finally:
+        sys.path.remove(str(repo / "benchmarks"))
+    out = tmp_path / "complex.json"
+    done = subprocess.run([sys.executable, str(repo / "benchmarks" / "complex_data.py"), "--quick", "--filter", "hard",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["filter"] == "hard"
+    assert "filter 'hard'" in out.with_suffix(".md").read_text()
+    row = next(row for row in report["rows"] if row["method"] == "complex, clip")
+    sigma = 1000.0 / QUICK_SNRS[0]
+    magnitude, phase, truth, _, _, _ = complex_dwi_phantom(QUICK_SHAPE, QUICK_VOLUMES, sigma=sigma, seed=0)
+    expected = {name: scores(denoise_complex(magnitude, phase, device="cpu", nprocs=2, **options).denoised, truth,
+                             sigma)["rmse_all"] for name, options in (("hard", dict(filter="hard")), ("default", {}))}
+    assert expected["hard"] != expected["default"]
+    assert row["rmse_all"] == pytest.approx(expected["hard"], rel=1e-9)
