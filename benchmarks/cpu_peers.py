@@ -254,9 +254,10 @@ def ours_program() -> list[str]:
     return [sys.executable, "-m", "mppca_nipype.cli.denoise"]
 
 
-def ours_env() -> dict:
-    """The environment of our command: PYTHONPATH puts this tree's package first, installed or not."""
-    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+def ours_env(checkout: Path = REPO) -> dict:
+    """The environment of our command: PYTHONPATH puts this tree's package (or another ``checkout``'s) first,
+    installed or not."""
+    paths = [str(checkout), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
 
 

@@ -212,12 +212,6 @@ def shape_text(shape) -> str:
 
 # -- one run of a row ----------------------------------------------------------------------------------------
 
-def baseline_env(checkout: Path) -> dict:
-    """The environment of the baseline's command: its checkout's package first on the path."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(checkout), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
-
-
 def command_of(row: Row, folder: Path, out: Path, cpus: int) -> list[str]:
     """The command line of one run of ``row``: inputs in ``folder``, outputs into ``out``."""
     if row.program == "bids":
@@ -263,7 +257,7 @@ def run_once(row: Row, folder: Path, warm_cache: Path, cpus: int, timeout: float
     """
     out = Path(tempfile.mkdtemp(prefix=f"{row.problem}-", dir=folder / "runs"))
     cache = Path(tempfile.mkdtemp(prefix="triton-empty-", dir=folder / "runs")) if row.first_run else warm_cache
-    env = dict(baseline_env(baseline) if row.baseline else ours_env(), TRITON_CACHE_DIR=str(cache))
+    env = dict(ours_env(baseline) if row.baseline else ours_env(), TRITON_CACHE_DIR=str(cache))
     if row.program == "dwidenoise":
         env.update(OMP_NUM_THREADS=str(cpus), MRTRIX_QUIET="1")
     command = command_of(row, folder, out, cpus)
