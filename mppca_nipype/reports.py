@@ -269,12 +269,20 @@ def _row(fig, axes, images, zooms, label, colorbar_label, colorbar_axes=None, co
     return shown
 
 
+def _median_volume(series, served) -> int:
+    """The volume of median mean intensity over the ``served`` voxels (every voxel where none is): each
+    volume's sum over them as one weighted sum in the series' own layout (``einsum``), without gathering their
+    time courses into a copy (a 96x96x60x100 series: 0.08 s against 0.33 s on one core)."""
+    weights = (served if served.any() else np.ones(served.shape, bool)).astype(series.dtype)
+    sums = np.einsum("xyzt,xyz->t", series, weights)
+    return int(np.argsort(sums)[len(sums) // 2])
+
+
 def plot_slices(noisy, denoised, sigma, zooms=(1, 1, 1), volume=None, title=""):
     """Input, denoised and residual of one volume in three planes (a 3 x 3 grid)."""
     served = sigma > 0
     if volume is None:
-        means = noisy[served].mean(axis=0) if served.any() else noisy.reshape(-1, noisy.shape[3]).mean(axis=0)
-        volume = int(np.argsort(means)[len(means) // 2])  # the volume of median mean intensity
+        volume = _median_volume(noisy, served)
     centre = _centre(served)
     before, after = noisy[..., volume], denoised[..., volume]
     residual = np.where(served, before - after, 0)
@@ -333,15 +341,31 @@ def expected_residual_sd(sigma, rank, n_volumes, demeaned):
     return sigma * np.sqrt(np.clip(1 - (rank + demeaned) / n_volumes, 0, None))
 
 
-def plot_residuals(noisy, denoised, sigma, rank, demeaned, title="", max_values=400_000, seed=0):
-    """Histogram of the scaled residuals over N(0, 1), on linear and logarithmic density axes."""
+def scaled_residuals(noisy, denoised, sigma, rank, demeaned, max_values=400_000, seed=0) -> np.ndarray:
+    """(input - denoised) / ``expected_residual_sd`` at the voxels served with a positive expected SD, at most
+    ``max_values`` of them: every one, or as many (voxel, volume) pairs drawn at random without replacement
+    (``seed``), float64."""
     served = sigma > 0
-    expected = expected_residual_sd(sigma[served], rank[served], noisy.shape[3], demeaned)
+    n_volumes = noisy.shape[3]
+    voxels = np.flatnonzero(served)
+    expected = expected_residual_sd(sigma.ravel()[voxels], rank.ravel()[voxels], n_volumes, demeaned)
     usable = expected > 0
-    residual = (noisy[served] - denoised[served])[usable] / expected[usable, None]
-    z = residual.ravel()
-    if z.size > max_values:
-        z = np.random.default_rng(seed).choice(z, max_values, replace=False)
+    voxels, expected = voxels[usable], expected[usable]
+    # at most max_values (voxel, volume) pairs drawn first, and only their residuals computed: the whole
+    # series' residuals would be two gathered copies of it and their arithmetic (seconds on a DWI run)
+    n_values = voxels.size * n_volumes
+    drawn = (np.random.default_rng(seed).choice(n_values, max_values, replace=False) if n_values > max_values
+             else np.arange(n_values))
+    voxel, volume = np.divmod(drawn, n_volumes)
+    where = np.unravel_index(voxels[voxel], served.shape) + (volume,)
+    return (noisy[where] - denoised[where]) / expected[voxel]
+
+
+def plot_residuals(noisy, denoised, sigma, rank, demeaned, title="", max_values=400_000, seed=0):
+    """Histogram of the scaled residuals over N(0, 1) (``scaled_residuals``), on linear and logarithmic density
+    axes."""
+    served = sigma > 0
+    z = scaled_residuals(noisy, denoised, sigma, rank, demeaned, max_values, seed)
     sd = float(z.std()) if z.size else float("nan")
     beyond = float(np.mean(np.abs(z) > 4)) if z.size else float("nan")
 

@@ -16,7 +16,8 @@ from mppca_nipype import denoise
 from mppca_nipype.bids import FIGURE_KINDS, report_names, subject_report_name
 from mppca_nipype.cli.bids_app import main
 from mppca_nipype.phantoms import low_rank_phantom
-from mppca_nipype.reports import (FIGURES, expected_residual_sd, marchenko_pastur_density, sample_spectra,
+from mppca_nipype.reports import (FIGURES, _median_volume, expected_residual_sd, marchenko_pastur_density,
+                                  sample_spectra, scaled_residuals,
                                   subject_report_html, write_run_figures)
 
 FAST = ["--nprocs", "1", "--device", "cpu", "--plugin", "Linear"]
@@ -151,6 +152,48 @@ def test_residuals_of_pure_signal_plus_noise_scale_to_unit_variance(demean):
     expected = expected_residual_sd(result.sigma, result.rank, noisy.shape[3], demean != "none")
     scaled = (noisy - result.denoised) / expected[..., None]
     assert scaled.std() == pytest.approx(1.0, abs=0.03)
+
+
+def _series_in(order, values):
+    """``values`` (X, Y, Z, T) as a C-order, a Fortran-order (nibabel's) or an axis-flipped view (a report's
+    RAS turn of an image stored in another orientation)."""
+    if order == "F":
+        return np.asfortranarray(values)
+    if order == "flipped":
+        return np.asfortranarray(values[::-1, :, ::-1])[::-1, :, ::-1]
+    return np.ascontiguousarray(values)
+
+
+@pytest.mark.parametrize("order", ["C", "F", "flipped"])
+def test_the_residuals_drawn_are_the_scaled_residuals_of_served_voxels(order):
+    rng = np.random.default_rng(7)
+    shape, n_volumes = (9, 7, 5), 11
+    noisy = _series_in(order, rng.normal(100, 10, shape + (n_volumes,)).astype(np.float32))
+    denoised = _series_in(order, rng.normal(100, 10, shape + (n_volumes,)).astype(np.float32))
+    sigma = rng.uniform(1, 3, shape).astype(np.float32)
+    sigma[rng.random(shape) < 0.3] = 0  # not served
+    rank = rng.integers(0, 4, shape).astype(np.float32)
+    rank[0, 0, 0], sigma[0, 0, 0] = n_volumes, 2.0  # served, but no residual expected: left out
+    served = (sigma > 0) & (rank + 1 < n_volumes)
+    every = ((noisy - denoised)[served] / expected_residual_sd(sigma, rank, n_volumes, True)[served][:, None]).ravel()
+
+    all_drawn = scaled_residuals(noisy, denoised, sigma, rank, True, max_values=every.size)
+    np.testing.assert_array_equal(np.sort(all_drawn), np.sort(every))
+    some = scaled_residuals(noisy, denoised, sigma, rank, True, max_values=50, seed=3)
+    assert some.size == 50 and np.isin(some, every).all() and np.unique(some).size == 50
+    np.testing.assert_array_equal(some, scaled_residuals(noisy, denoised, sigma, rank, True, max_values=50, seed=3))
+
+
+@pytest.mark.parametrize("order", ["C", "F", "flipped"])
+def test_the_slices_show_the_volume_of_median_mean_over_the_served_voxels(order):
+    rng = np.random.default_rng(8)
+    values = rng.normal(0, 1, (8, 6, 5, 9)).astype(np.float32) + rng.permutation(9).astype(np.float32) * 10
+    served = rng.random((8, 6, 5)) < 0.5
+    values[~served] += np.arange(9, dtype=np.float32)[::-1] * 100  # voxels outside: the other way round
+    means = values[served].mean(axis=0)
+    assert _median_volume(_series_in(order, values), served) == int(np.argsort(means)[4])
+    everywhere = values.reshape(-1, 9).mean(axis=0)
+    assert _median_volume(_series_in(order, values), np.zeros_like(served)) == int(np.argsort(everywhere)[4])
 
 
 def test_each_figure_kind_the_derivative_names_know_has_a_title_and_caption_in_page_order():
