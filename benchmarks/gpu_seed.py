@@ -3,7 +3,7 @@
     python benchmarks/gpu_seed.py [--blocks 5] [--repeats 7] [--baseline DIR] [--out FILE]
 
 The problem (``gpu_timing.SEED_OPTIONS``): 96x96x48x48, 11^3 windows at stride 3 (12,600), voxel demeaning,
-weighted aggregation, a rank-5 phantom on a baseline near 1000. Timed host to host in ``--blocks``
+weighted aggregation, hard thresholding, a rank-5 phantom on a baseline near 1000. Timed host to host in ``--blocks``
 interleaved blocks, each the best of ``--repeats`` runs: ``denoise_gpu`` with the engine's choices (the box
 sums, the tridiagonal eigensolver, the first pass replayed as CUDA graphs), the article's final step (the
 fused kernels and XsyevBatched in batches of 2048: ``gpu_timing.ARTICLE_STEP``), and with ``--baseline`` the
