@@ -1913,3 +1913,96 @@ def test_lambda_plus_counts_in_the_memory_plan_and_survives_small_slabs(kernels)
     assert small.info["n_slabs"] > 1
     np.testing.assert_allclose(small.lambda_plus, whole.lambda_plus, rtol=1e-5)
     assert whole.lambda_plus[mask.ravel()].min() > 0
+
+
+@interpreted
+@pytest.mark.parametrize("order, planes, shape", [("C", None, "cuboid"), ("F", None, "cuboid"), ("F", 2, "cuboid"),
+                                                  ("C", 3, "cuboid"), ("F", None, "sphere")])
+def test_a_series_on_the_device_gives_the_sums_of_the_same_series_from_the_host(kernels, order, planes, shape):
+    """A torch tensor in (either layout, in slabs or whole, spheres padded on the device): the host series'
+    maps, and its image as an (X, Y, Z, T) tensor on the device in the series' own layout."""
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((8, 7, 6), n_volumes=13, rank=3, sigma=5.0, seed=6)
+    data, mask, finite, plan, resolved = prepared(np.asarray(noisy, order=order), None, extent=3, stride=2,
+                                                  estimator="exp2", aggregation="weighted", demean="volume",
+                                                  shape=shape)
+    from_host = denoise_gpu(data, finite, plan, resolved, device="cpu", planes=planes)
+    on_device = denoise_gpu(torch.from_numpy(data), finite, plan, resolved, planes=planes)
+    assert isinstance(on_device.image, torch.Tensor) and on_device.image.shape == data.shape
+    image = on_device.image.numpy()
+    assert image.flags.f_contiguous == (order == "F") and image.flags.c_contiguous == (order == "C")
+    np.testing.assert_array_equal(image, np.asarray(from_host.image).reshape(data.shape))
+    for name in ("weight", "sigma", "rank"):
+        np.testing.assert_array_equal(getattr(on_device, name), getattr(from_host, name))
+
+
+@interpreted
+@pytest.mark.filterwarnings("ignore:.*NaN or Inf")
+@pytest.mark.parametrize("order, nan", [("C", False), ("F", True)])
+def test_denoise_of_a_series_on_the_device_leaves_its_result_there(kernels, order, nan):
+    """``denoise`` of a torch tensor: the GPU engine on the tensor's device, the denoised series a tensor there
+    in the series' layout, equal to the host series' run; with NaN in the series, its host run put there."""
+    import mppca_nipype.engine as engine
+    from mppca_nipype.engine import MPPCAInputError, denoise
+    from mppca_nipype.engine.gpu.pipeline import denoise_gpu
+
+    noisy, _ = low_rank_phantom((8, 7, 6), n_volumes=13, rank=3, sigma=5.0, seed=7)
+    noisy = np.asarray(noisy, order=order)
+    if nan:
+        noisy[3, 2, 1, 4] = np.nan
+    mask = np.ones(noisy.shape[:3], bool)
+    mask[0] = False
+    options = dict(extent=3, stride=2, demean="volume", maps="lambda_plus")
+    on_device = denoise(torch.from_numpy(noisy.copy(order="K")), mask, device="cuda", **options)
+    with pytest.MonkeyPatch.context() as patch:  # the same engine from the host
+        patch.setattr(engine, "check_device", lambda device: "cuda")
+        patch.setattr(engine, "_backend", lambda device: lambda *a, **k: denoise_gpu(*a, device="cpu", **k))
+        from_host = denoise(noisy, mask, device="cuda", **options)
+    assert isinstance(on_device.denoised, torch.Tensor) and on_device.denoised.device.type == "cpu"
+    denoised = on_device.denoised.numpy()
+    assert denoised.flags.f_contiguous == (order == "F")
+    np.testing.assert_array_equal(denoised, from_host.denoised)
+    for name in ("sigma", "rank", "lambda_plus"):
+        np.testing.assert_array_equal(getattr(on_device, name), getattr(from_host, name))
+    assert on_device.info["n_nonfinite_voxels"] == int(nan)
+    with pytest.raises(MPPCAInputError, match="GPU engine alone"):
+        denoise(torch.from_numpy(noisy), device="cpu")
+    with pytest.raises(MPPCAInputError, match="4D float32"):
+        denoise(torch.from_numpy(noisy).double(), device="cuda")
+
+
+@interpreted
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_complex_data_stays_on_the_device_between_the_steps_and_the_engine(kernels, monkeypatch, order):
+    """With the steps around the engine on the device (here torch on the CPU) and the GPU engine, R goes from
+    the demodulation to the engine and R_hat on to the remodulation as tensors: the same magnitude, phase and
+    maps as with both copied through the host."""
+    import mppca_nipype.engine as engine
+    from mppca_nipype import denoise_complex
+    from mppca_nipype.engine.gpu import pipeline, series_steps
+    from mppca_nipype.phantoms import complex_dwi_phantom
+
+    magnitude, phase, truth = (np.asarray(a, order=order) for a in complex_dwi_phantom((12, 10, 8), 16, sigma=60.0,
+                                                                                        seed=4)[:3])
+    mask = truth[..., 0] > 0
+    monkeypatch.setattr(engine, "steps_device", lambda *args, **kwargs: "cuda")
+    monkeypatch.setattr(series_steps, "torch_device", lambda device: torch.device("cpu"))
+    series_in = []
+    real_gpu = pipeline.denoise_gpu
+
+    def engine_on_the_cpu(data, *args, **kwargs):
+        series_in.append(type(data))
+        return real_gpu(data, *args, **({} if isinstance(data, torch.Tensor) else dict(device="cpu")), **kwargs)
+
+    monkeypatch.setattr(engine, "check_device", lambda device: "cuda")
+    monkeypatch.setattr(engine, "_backend", lambda device: engine_on_the_cpu)
+    kept = denoise_complex(magnitude, phase, mask=mask, device="cuda", nprocs=1)
+    monkeypatch.setattr(series_steps, "stays_on_device", lambda nbytes, device: False)
+    through_the_host = denoise_complex(magnitude, phase, mask=mask, device="cuda", nprocs=1)
+    assert series_in == [torch.Tensor, np.ndarray]
+    for name in ("denoised", "phase", "sigma", "rank"):
+        got, want = getattr(kept, name), getattr(through_the_host, name)
+        assert isinstance(got, np.ndarray) and got.flags.f_contiguous == want.flags.f_contiguous
+        np.testing.assert_array_equal(got, want)
+    assert kept.info["imaginary_sd_ratio"] == through_the_host.info["imaginary_sd_ratio"]

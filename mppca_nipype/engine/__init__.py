@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import math
 import numbers
 import os
+import sys
 import threading
 import time
 import warnings
@@ -280,6 +281,54 @@ def _finite_input(data, mask):
     return raw, data, finite, n_nonfinite
 
 
+def _is_tensor(data) -> bool:
+    """Whether ``data`` is a torch tensor: a series on a device (torch is not imported to ask: a tensor comes
+    only from a process that has imported it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(data, torch.Tensor)
+
+
+def _on_host(data):
+    """A series on a device as a NumPy array in its layout (a copy on the host); any other ``data`` as it is."""
+    return data.cpu().numpy() if _is_tensor(data) else data
+
+
+def _on_device_as(values: np.ndarray, device):
+    """A NumPy array as a torch tensor on ``device``, in its layout."""
+    import torch
+
+    return torch.from_numpy(values).to(device)
+
+
+def _check_series_on_device(data, device, demean, noise_floor, maps) -> None:
+    """MPPCAInputError, one sentence, for a series on a device (a torch tensor) that the GPU engine cannot take
+    there as it is: not 4D float32, not contiguous in either order, or asked for the CPU, a noise floor, groups
+    of volumes or the ``variance_removed`` map (each needs the series on the host)."""
+    from .gpu.upload import series_layout
+
+    if data.dim() != 4 or str(data.dtype) != "torch.float32":
+        raise MPPCAInputError(f"a series on a device must be a 4D float32 tensor, not {data.dim()}D {data.dtype}")
+    if device == "cpu" or noise_floor != "none" or demean in GROUP_DEMEANING or "variance_removed" in maps:
+        raise MPPCAInputError("a series on a device is denoised there by the GPU engine alone: without "
+                              "device='cpu', a noise floor, groups of volumes or the variance_removed map")
+    if data.shape[3] < MIN_VOLUMES:
+        raise MPPCAInputError(f"the input has {data.shape[3]} volumes; MP-PCA needs at least {MIN_VOLUMES}")
+    try:
+        series_layout(data)
+    except ValueError as err:
+        raise MPPCAInputError(str(err)) from None
+
+
+def _checked_mask(data, mask):
+    """``check_data``'s (data, mask) for a series on a device (``_check_series_on_device``)."""
+    if mask is None:
+        return data, np.ones(tuple(data.shape[:3]), dtype=bool)
+    mask = np.asarray(mask)
+    if mask.shape != tuple(data.shape[:3]):
+        raise MPPCAInputError(f"the mask's shape {mask.shape} does not match the image's {tuple(data.shape[:3])}")
+    return data, mask != 0
+
+
 def _gpu_sums_of_a_finite_series(backend, data, every_voxel, plan, options, run_options) -> PatchSums | None:
     """The GPU backend's sums of ``data`` taken as finite (``every_voxel``: all True, ``plan`` made with it),
     or None where some value is NaN or Inf (the caller then runs the host's check, the plan and the backend).
@@ -293,7 +342,7 @@ def _gpu_sums_of_a_finite_series(backend, data, every_voxel, plan, options, run_
     try:
         sums = backend(data, every_voxel, plan, options, **run_options)
     except Exception:  # noqa: BLE001 - any error over a series that is not finite is answered by the redo
-        if _finite_voxels(data).all():
+        if _finite_voxels(_on_host(data)).all():
             raise
         return None
     return sums if sums.info.pop("series_finite") else None
@@ -335,7 +384,11 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     data : (X, Y, Z, T) array, or a multi-echo (X, Y, Z, E, T) array or list of E (X, Y, Z, T) arrays
         The series (any real dtype; computed in float32 on the GPU, float64 on the CPU). In either memory
         order: a volume-major (Fortran-order) series, as nibabel reads a NIfTI file, is not transposed, and
-        ``denoised`` comes back in the same order (``layout``). The echoes of a multi-echo series are
+        ``denoised`` comes back in the same order (``layout``). A float32 torch tensor on a CUDA device (either
+        order) is denoised there by the GPU engine with no copy through the host, and ``denoised`` comes back
+        as a tensor on that device (``device`` "auto" or "cuda"; the maps as NumPy; no noise floor, groups,
+        echoes or ``variance_removed``): a step on the device before or after ``denoise`` keeps the series
+        there (``complex_data``). The echoes of a multi-echo series are
         denoised jointly, each patch's matrix holding their E * T columns, with each voxel's mean per echo
         removed (the echoes as groups, ``groups.denoise_by_groups``); ``denoised`` is then (X, Y, Z, E, T).
     mask : (X, Y, Z) array, optional
@@ -432,7 +485,10 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     filter="hard"``.
     """
     maps = resolve_maps(maps)
-    if demean in GROUP_DEMEANING or isinstance(data, (list, tuple)) or np.ndim(data) == 5:
+    on_device = _is_tensor(data)
+    if on_device:
+        _check_series_on_device(data, device, demean, noise_floor, maps)
+    elif demean in GROUP_DEMEANING or isinstance(data, (list, tuple)) or np.ndim(data) == 5:
         result = denoise_by_groups(data, mask, demean=demean, groups=groups, bvals=bvals, extent=extent,
                                    stride=stride, shape=shape, estimator=estimator, aggregation=aggregation,
                                    filter=filter, noise=noise, noise_floor=noise_floor, coils=coils, device=device,
@@ -461,7 +517,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         now = time.perf_counter()
         seconds[phase], last = seconds[phase] + now - last, now
 
-    data, mask = check_data(data, mask)
+    data, mask = _checked_mask(data, mask) if on_device else check_data(data, mask)
     options = resolve_options(data.shape, extent=extent, stride=stride, estimator=estimator,
                               aggregation=aggregation, demean=demean, noise=noise, mask=mask, filter=filter,
                               removed_means=_removed_means, shape=shape)
@@ -470,7 +526,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
     check_nprocs(nprocs)
     gpu_memory = resolve_gpu_memory(gpu_memory)
     lap("input check")
-    chosen, choice = choose_device(device, data.shape, options, nprocs)
+    chosen, choice = ("cuda", None) if on_device else choose_device(device, data.shape, options, nprocs)
     lap("backend")  # (where ``auto`` asks CUDA: torch's import, the backend's start)
     on_gpu = chosen == "cuda"
     if on_gpu:  # the device checks the series it uploads (``_gpu_sums_of_a_finite_series``)
@@ -483,6 +539,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
 
     backend = _backend(chosen)
     run_options = dict(nprocs=nprocs, progress=progress, **(dict(gpu_memory=gpu_memory) if on_gpu else {}))
+    series_device = data.device if on_device else None  # (the backend runs there)
     ahead = _compile_ahead(backend, data.shape[3], options) if on_gpu else None
     try:
         sums = None
@@ -490,7 +547,9 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
             sums = _gpu_sums_of_a_finite_series(backend, data, finite, plan, options, run_options)
             if sums is None:  # NaN or Inf in the series: checked, planned and run as on the CPU
                 lap("backend")
-                raw, data, finite, n_nonfinite = _finite_input(data, mask)
+                raw, data, finite, n_nonfinite = _finite_input(_on_host(data), mask)
+                if on_device:  # (from the host now, on the series' device still)
+                    run_options["device"] = series_device
                 lap("input check")
                 plan = plan_patches(data.shape[:3], options.extent, options.stride, mask, finite,
                                     options.shape)  # (_plan warned)
@@ -507,6 +566,7 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
         if device == "cuda":
             raise out_of_memory from None
         warnings.warn(out_of_memory.fallback_note, MPPCAWarning, stacklevel=2)
+        raw, data = _on_host(raw), _on_host(data)
         sums = denoise_cpu(data, finite, plan, options, nprocs=nprocs, progress=progress)
         sums.info["cpu_fallback"] = out_of_memory.reason
     else:
@@ -514,6 +574,8 @@ def denoise(data, mask=None, *, extent=DEFAULTS["extent"], stride=DEFAULTS["stri
             ahead.run_succeeded()
     lap("backend")
     result = _finish(raw, mask, finite, sums)
+    if on_device and not _is_tensor(result.denoised):  # (run on the host: NaN or Inf, or out of memory)
+        result.denoised = _on_device_as(result.denoised, series_device)
     if "variance_removed" in maps:
         result.variance_removed = removed_variance(raw, result.denoised, _served(sums, mask, finite))
     lap("output")
@@ -744,8 +806,8 @@ def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
     shape3 = data.shape[:3]
     served = _served(sums, mask, finite)
     if sums.normalized:
-        image = np.asarray(sums.image, dtype=np.float32)
-        if image.ndim == 4:  # (the backend gave the series in the caller's order)
+        image = sums.image if _is_tensor(sums.image) else np.asarray(sums.image, dtype=np.float32)
+        if image.ndim == 4:  # (the backend gave the series in the caller's order; on the device for a tensor)
             denoised = image
         elif is_volume_major(data):
             denoised = planes_of_rows(image, empty_like_series(data))
@@ -759,7 +821,7 @@ def _finish(data, mask, finite, sums: PatchSums) -> DenoiseResult:
         sigma, rank = (sums.sigma / weight).reshape(shape3), (sums.rank / weight).reshape(shape3)
     every_voxel = served.all()
     if not every_voxel:  # (a pass over the whole series, only where some voxel was not served)
-        denoised[~served] = 0
+        denoised[_on_device_as(~served, denoised.device) if _is_tensor(denoised) else ~served] = 0
         keep_input = mask & ~finite
         if keep_input.any():
             denoised[keep_input] = data[keep_input]

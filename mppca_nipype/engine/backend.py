@@ -92,12 +92,21 @@ class PatchSums:
             if values is None:
                 return None
             if values.ndim == 4:  # a normalized series in the caller's order: cropped in that order
-                return np.array(values[inside], order="K")
+                kept = values[inside]
+                return np.array(kept, order="K") if isinstance(kept, np.ndarray) else _copied_in_order(kept)
             grid = values.reshape(tuple(padded_shape) + values.shape[1:])[inside]
             return np.ascontiguousarray(grid).reshape((-1,) + values.shape[1:])
 
         return PatchSums(crop(self.image), crop(self.weight), crop(self.sigma), crop(self.rank), self.info,
                          self.normalized, crop(self.lambda_plus))
+
+
+def _copied_in_order(series):
+    """A copy of a view of an (X, Y, Z, T) torch tensor (a GPU run's result on the device, cropped) laid out as
+    the view's strides run: volume-major where its first axis is the fastest, else voxel-major."""
+    if series.stride(0) < series.stride(3):
+        return series.new_empty(tuple(series.shape)[::-1]).permute(3, 2, 1, 0).copy_(series)
+    return series.new_empty(tuple(series.shape)).copy_(series)
 
 
 @dataclass(frozen=True)

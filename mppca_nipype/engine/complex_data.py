@@ -280,18 +280,21 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         real, background, imaginary_power = _demodulated_on_gpu(magnitude, radians, image, phase_method=phase_method,
                                                                 width=phase_width, passes=phase_passes,
                                                                 first_pass=first_pass, lap=lap, budget=budget,
-                                                                blocks=blocks)
+                                                                blocks=blocks, engine_on_gpu=device != "cpu")
     else:
         real, background, imaginary = _demodulated(magnitude, radians, image, phase_method=phase_method,
                                                    width=phase_width, passes=phase_passes, threads=threads,
                                                    first_pass=first_pass, lap=lap)
     del image
     lap("demodulation")
-    result = denoise(real, mask, **options, noise=noise, **run_options)
+    result = denoise(real, mask, **options, noise=noise, **run_options)  # (R on the device: R_hat there too)
     del real
     lap("denoise")
     denoised = result.denoised
-    served = mask & _finite_voxels(denoised) & (result.sigma > 0)
+    on_device = not isinstance(denoised, np.ndarray)
+    if on_device:
+        from .gpu.series_steps import denoised_magnitude, finite_voxels
+    served = mask & (finite_voxels(denoised) if on_device else _finite_voxels(denoised)) & (result.sigma > 0)
     ratio = None
     if served.any():
         rms = (np.sqrt(imaginary_power[served]) if on_gpu
@@ -305,7 +308,8 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
         del imaginary
         out_phase = _remodulated_phase(denoised, background, mask, threads)
     del background
-    magnitude_denoised = _denoised_magnitude(denoised, magnitude_out, threads)  # (R_hat is not needed after)
+    magnitude_denoised = (denoised_magnitude(denoised, magnitude_out, "cuda", blocks) if on_device
+                          else _denoised_magnitude(denoised, magnitude_out, threads))  # (R_hat is not needed after)
     lap("remodulation")
     info = dict(result.info, phase_method=phase_method, phase_width=float(phase_width),
                 phase_passes=int(phase_passes), phase_units=units, steps_device="cuda" if on_gpu else "cpu",
@@ -349,11 +353,15 @@ def _demodulated(magnitude, radians, image, *, phase_method, width, passes, thre
     return real, background, imaginary
 
 
-def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passes, first_pass, lap, budget, blocks):
+def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passes, first_pass, lap, budget, blocks,
+                        engine_on_gpu):
     """``_demodulated`` with torch on the GPU (``gpu.series_steps``), the complex series never built on the
-    host: (R, phi, the mean over volumes of I^2 per voxel). phi stays on the device for the remodulation
-    where no GPU memory budget was asked for (``budget`` None: the engine plans around what it holds) and it
-    is small beside the device's memory (``series_steps.stays_on_device``); blocks of ``blocks`` values."""
+    host: (R, phi, the mean over volumes of I^2 per voxel). phi stays on the device for the remodulation,
+    and R for the GPU engine (``engine_on_gpu``; ``denoise`` takes a series on the device and leaves R_hat
+    there for the remodulation), where no GPU memory budget was asked for (``budget`` None: the engine plans
+    around what it holds) and each is small beside the device's memory (``series_steps.stays_on_device``);
+    blocks of ``blocks`` values. Kept there, R skips its copy down, the engine's staging and copy up, and
+    R_hat its copy down and back up for the remodulation."""
     from .gpu.series_steps import complex_parts, demodulate_series, stays_on_device
 
     smoothed = None
@@ -362,7 +370,7 @@ def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passe
         lap("first pass")
     keep_phase = budget is None and stays_on_device(magnitude.size * 4, "cuda")
     return demodulate_series(magnitude, radians, image, smoothed, width=width, passes=passes, device="cuda",
-                             keep_phase=keep_phase, block_values=blocks)
+                             keep_phase=keep_phase, keep_real=keep_phase and engine_on_gpu, block_values=blocks)
 
 
 def _remodulated_phase(denoised, background, mask, threads):

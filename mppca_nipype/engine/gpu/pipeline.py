@@ -4,7 +4,8 @@ pass, the results down to page-locked host memory. Same contract and same functi
 The data walks one way through the modules:
 
 * ``plan``: the run's choices (precision, eigensolver, paths) and the sizes that fit the device.
-* ``upload``: the series staged through page-locked memory and copied up in rounds, while the run is set up.
+* ``upload``: the series staged through page-locked memory and copied up in rounds, while the run is set up
+  (a series on the device already, a torch tensor, is copied there: its result stays on the device too).
 * for each slab (one when everything fits; else slabs along x with the halo's sums carried on):
   ``batch``: batches of windows through Gram (``gram``, ``boxsums``) -> eigenvalues (``tridiagonal``,
   ``cusolver``) -> threshold (``threshold``) -> reconstruction (``reconstruction``, ``boxsums``), with no
@@ -43,7 +44,8 @@ from .plan import DeviceMemory, GPURun, GPUSettings, box_fits, plan_slabs, run_i
 from .settling import PartFinishing, settle_on_device, settle_on_host
 from .sums import Finisher, SlabSums, download_volume_major
 from .timeline import Timeline
-from .upload import StagedSeries, Upload, switching_often, to_device
+from .upload import (DeviceSeries, StagedSeries, Upload, empty_series, padded_on_device, series_layout, switching_often,
+                     to_device)
 
 
 def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, device=None, gpu_memory=None,
@@ -69,9 +71,20 @@ def denoise_gpu(data, finite, plan, options, *, nprocs=None, progress=None, devi
     ``info["series_finite"]``: whether every value of ``data`` is finite, checked on the device as each slab's
     series is there and read once the run has waited for the device (``engine.denoise`` takes the series as
     finite with no host pass over it, and redoes the run the host's way where it is not).
+
+    ``data`` may be a float32 torch tensor (``upload.series_layout``: either order), which runs on its own
+    device (``device`` None or that one): its slabs are copied on the device, and the image of the sums comes
+    back as an (X, Y, Z, T) tensor there, in its order (the maps as NumPy).
     """
     settings = GPUSettings(**settings)
-    data, finite = padded_series(data, finite, plan.padding)  # (spheres: the plan's grid is padded)
+    if isinstance(data, torch.Tensor):  # (spheres: the plan's grid is padded)
+        asked = torch.device(device or data.device)
+        if asked.type != data.device.type or asked.index not in (None, data.device.index):
+            raise ValueError(f"a series on {data.device} runs there, not on {device}")
+        device = data.device
+        data, finite = padded_on_device(data, plan.padding), np.pad(finite, plan.padding)
+    else:
+        data, finite = padded_series(data, finite, plan.padding)
     device = torch.device(device or "cuda")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -122,7 +135,9 @@ class _GPURunOfSlabs:
         self.plane = plan.spatial_shape[1] * plan.spatial_shape[2]
         # the series' copies on a stream of their own: the run's set-up work queued meanwhile does not wait for them
         self.copies = torch.cuda.Stream(device) if self.on_gpu else None
-        self.series = StagedSeries(data) if self.on_gpu else None
+        self.resident = isinstance(data, torch.Tensor)  # (the series and the result stay on the device)
+        self.volume_major = series_layout(data) == "F" if self.resident else is_volume_major(data)
+        self.series = ((DeviceSeries if self.resident else StagedSeries)(data)) if self.on_gpu else None
         self.every_voxel_finite = bool(finite.all())
         self.host_finite = (None if self.every_voxel_finite
                             else np.ascontiguousarray(finite.reshape(-1), dtype=np.float32))
@@ -138,8 +153,7 @@ class _GPURunOfSlabs:
         self.uploads[0] = self._upload(self.slabs[0])
         timeline.mark("upload started")
         # a volume-major series that fits whole comes back in its order, transposed on the device at the end
-        volume_major = (self.on_gpu and self.settings.normalize and len(self.slabs) == 1
-                        and is_volume_major(self.data))
+        volume_major = (self.on_gpu and self.settings.normalize and len(self.slabs) == 1 and self.volume_major)
         image_shape = ((self.n_volumes,) + self.data.shape[2::-1] if volume_major
                        else (self.n_rows, self.n_volumes))
         n_maps = 4 if self.options.lambda_plus else 3  # weight, sigma, rank (, lambda_plus)
@@ -147,8 +161,10 @@ class _GPURunOfSlabs:
         # the outputs' page-locked memory is allocated on a thread (0.6 s for a 663 MB series on the H200
         # machine, in torch outside the GIL) while this one sets the run up (nvmath's import, the plan's tables)
         with ThreadPoolExecutor(1, thread_name_prefix="mppca-outputs") as allocator:
-            allocated = allocator.submit(lambda: [torch.empty(shape, dtype=torch.float32, pin_memory=self.on_gpu)
-                                                  for shape in shapes])
+            allocated = allocator.submit(lambda: [
+                torch.empty(shape, dtype=torch.float32, device=self.device) if number == 0 and self.resident
+                else torch.empty(shape, dtype=torch.float32, pin_memory=self.on_gpu)
+                for number, shape in enumerate(shapes)])
             run = GPURun(self.plan, self.options, self.device, self.settings, self.n_volumes, self.memory)
             timeline.mark("plan's tables")
             outputs = allocated.result()
@@ -183,9 +199,14 @@ class _GPURunOfSlabs:
         series_finite.copy_(self.series_finite, non_blocking=True)
         timeline.mark("all queued")
         peak, device_name = self._wait_for_the_device(downloads)
-        image, weight, sigma, rank, *lambda_plus = (x.numpy() for x in outputs)
+        image, weight, sigma, rank, *lambda_plus = (x if number == 0 and self.resident else x.numpy()
+                                                    for number, x in enumerate(outputs))
         if volume_major:
-            image = image.transpose(3, 2, 1, 0)  # (X, Y, Z, T), as the caller's series
+            image = image.permute(3, 2, 1, 0) if self.resident else image.transpose(3, 2, 1, 0)  # (X, Y, Z, T)
+        elif self.resident:  # (X, Y, Z, T) in the series' own layout, as a series on the device comes back
+            image = image.view(*self.data.shape[:3], self.n_volumes)
+            if self.volume_major:
+                image = empty_series(image.shape, "F", self.device).copy_(image)
         return PatchSums(image, weight, sigma, rank, normalized=self.settings.normalize,
                          lambda_plus=lambda_plus[0] if lambda_plus else None,
                          info=dict(backend="gpu", device=device_name, eigensolver=run.solver.backend,
@@ -223,6 +244,9 @@ class _GPURunOfSlabs:
         """Start the slab's series on its way to the device (on the copy stream)."""
         rows = slice(slab.first * self.plane, slab.stop * self.plane)
         if not self.on_gpu:
+            if self.resident:
+                into = torch.empty((rows.stop - rows.start, self.n_volumes), dtype=torch.float32, device=self.device)
+                return DeviceSeries(self.data).rows(rows, into)
             slab_rows = np.empty((rows.stop - rows.start, self.n_volumes), dtype=np.float32)
             return to_device(rows_of_planes(self.data, slice(slab.first, slab.stop), slab_rows), self.device)
         into = (self.kept_graphs.volume_for((rows.stop - rows.start, self.n_volumes), self.device)

@@ -24,6 +24,7 @@ import torch
 
 from ..backend import available_cpus
 from ..layout import COPY_MIN_VALUES, COPY_THREADS, in_parts, is_volume_major
+from .upload import empty_series, series_layout
 
 #: Values of the series in one block, at most (at least one plane of the slab's axis): 64 MB of float32; the
 #: steps' temporaries (complex64, float64, int64 indices) take up to ~20 times that on the device.
@@ -247,13 +248,6 @@ def stays_on_device(nbytes: int, device) -> bool:
     return nbytes <= RESIDENT_SHARE * torch.cuda.get_device_properties(device).total_memory
 
 
-def _series_on_device(shape, volume_major: bool, device) -> torch.Tensor:
-    """An uninitialised float32 (X, Y, Z, T) tensor on ``device`` laid out as a NumPy series of that order."""
-    if volume_major:
-        return torch.empty(tuple(shape)[::-1], dtype=torch.float32, device=device).permute(3, 2, 1, 0)
-    return torch.empty(tuple(shape), dtype=torch.float32, device=device)
-
-
 def _table(values, device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(values, np.float64), device=device)
 
@@ -419,7 +413,7 @@ def complex_parts(magnitude: np.ndarray, radians: np.ndarray | None = None, imag
 
 def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, image: np.ndarray | None = None,
                       smoothed: np.ndarray | None = None, *, width: float, passes: int, device, keep_phase=False,
-                      block_values=None):
+                      keep_real=False, block_values=None):
     """``denoise_complex``'s steps 1-3 on the device, slab by slab of z-planes.
 
     S = ``magnitude`` e^{i ``radians``} (or the complex64 ``image`` itself, its non-finite values 0); phi its
@@ -427,14 +421,16 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
     ``phase_method="mppca"``: real parts, then imaginary); R = Re(S e^{-i phi}) (the magnitude where it is
     NaN or Inf), I = Im(S e^{-i phi}). Returns (R, phi, the mean over volumes of I^2 per voxel (X, Y, Z)
     float64): R and phi float32 in ``magnitude``'s order; phi as a tensor on the device where ``keep_phase``
-    (for ``remodulated_phase``, which takes either).
+    (for ``remodulated_phase``, which takes either), R where ``keep_real`` (for ``engine.denoise``, which takes
+    a series on the device).
     """
     copies = Transfers(device)
     window = _window(magnitude.shape, width, copies.device)
     n_volumes = magnitude.shape[3]
     order = "F" if is_volume_major(magnitude) else "C"
-    real = np.empty(magnitude.shape, np.float32, order=order)
-    phase = (_series_on_device(magnitude.shape, order == "F", copies.device) if keep_phase
+    real = (empty_series(magnitude.shape, order, copies.device) if keep_real
+            else np.empty(magnitude.shape, np.float32, order=order))
+    phase = (empty_series(magnitude.shape, order, copies.device) if keep_phase
              else np.empty(magnitude.shape, np.float32, order=order))
     # (X, Y, Z): kept on the device and downloaded once, so that no block waits for its work to finish
     imaginary_power = torch.empty(magnitude.shape[:3], dtype=torch.float64, device=copies.device)
@@ -451,8 +447,11 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
             phi = background_phase_of(first, window, passes)
         demodulated = block_image * torch.polar(torch.ones_like(phi), -phi)
         # NaN/Inf stay where the engine expects them; R comes down while the next block goes up
-        copies.download(torch.where(torch.isfinite(block_magnitude), demodulated.real, block_magnitude),
-                        real[index], later=True)
+        block_real = torch.where(torch.isfinite(block_magnitude), demodulated.real, block_magnitude)
+        if keep_real:
+            real[index] = block_real
+        else:
+            copies.download(block_real, real[index], later=True)
         if keep_phase:
             phase[index] = phi
         else:
@@ -464,21 +463,45 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
     return real, phase, power
 
 
-def remodulated_phase(denoised: np.ndarray, background, mask: np.ndarray, device, block_values=None) -> np.ndarray:
+def remodulated_phase(denoised, background, mask: np.ndarray, device, block_values=None) -> np.ndarray:
     """``denoise_complex``'s step 5, the phase: that of R_hat e^{i phi} (phi = ``background``, a NumPy series
-    or one kept on the device; phi + pi where R_hat = ``denoised`` is negative), wrapped to [-pi, pi), 0 outside
-    the (X, Y, Z) ``mask``; float32 in ``denoised``'s order."""
+    or one kept on the device; phi + pi where R_hat = ``denoised``, a NumPy series or one on the device, is
+    negative), wrapped to [-pi, pi), 0 outside the (X, Y, Z) ``mask``; float32 in ``denoised``'s order."""
     copies = Transfers(device)
-    phase = np.empty(denoised.shape, np.float32, order="F" if is_volume_major(denoised) else "C")
-    for index in series_blocks(denoised, block_values=block_values):
-        # R_hat >= 0 (False at NaN, True at -0) found as R_hat is staged: a quarter of its bytes go up
-        not_negative = copies.upload(denoised[index], bool, _not_negative)
+    phase = np.empty(tuple(denoised.shape), np.float32, order=_order(denoised))
+    for index in series_blocks(phase, block_values=block_values):
+        if isinstance(denoised, torch.Tensor):
+            not_negative = denoised[index] >= 0  # (False at NaN, True at -0)
+        else:  # found as R_hat is staged: a quarter of its bytes go up
+            not_negative = copies.upload(denoised[index], bool, _not_negative)
         phi = background[index] if isinstance(background, torch.Tensor) else copies.upload(background[index])
         inside = copies.upload(mask[index[:3]])[..., None]
         turned = wrapped(torch.where(not_negative, phi, phi + np.float32(math.pi)))
         copies.download(torch.where(inside, turned, torch.zeros_like(turned)), phase[index], later=True)
     copies.finish()
     return phase
+
+
+def denoised_magnitude(denoised: torch.Tensor, magnitude_out: str, device, block_values=None) -> np.ndarray:
+    """``complex_data._denoised_magnitude`` of R_hat = ``denoised`` on the device: max(R_hat, 0) (``"clip"``)
+    or |R_hat| (``"abs"``), downloaded into float32 NumPy in its order."""
+    copies = Transfers(device)
+    magnitude = np.empty(tuple(denoised.shape), np.float32, order=_order(denoised))
+    for index in series_blocks(magnitude, block_values=block_values):
+        block = denoised[index]
+        copies.download(block.abs() if magnitude_out == "abs" else block.clamp(min=0), magnitude[index], later=True)
+    copies.finish()
+    return magnitude
+
+
+def finite_voxels(series: torch.Tensor) -> np.ndarray:
+    """(X, Y, Z) bool: the voxels whose whole time course in the series on the device is finite."""
+    return torch.isfinite(series).all(dim=3).cpu().numpy()
+
+
+def _order(series) -> str:
+    """"F" for a volume-major series (NumPy, or a tensor on the device), else "C"."""
+    return series_layout(series) if isinstance(series, torch.Tensor) else ("F" if is_volume_major(series) else "C")
 
 
 def _not_negative(values: np.ndarray, out: np.ndarray) -> None:

@@ -154,6 +154,8 @@ def settle_on_host(run, windows, verdicts, data, finite_host, first_window, firs
     windows.accumulate_box()
     if len(failed) and not compiling_only():
         run.n_redone_on_cpu += len(failed)
+        if isinstance(data, torch.Tensor):  # a series on the device: on the host for these few windows
+            data = data.cpu().numpy()
         rows, values, replace = cpu_contributions(data, finite_host, run.plan, run.options, failed + first_window)
         windows.sums.add(rows - first_row, *values, replace=replace)
 

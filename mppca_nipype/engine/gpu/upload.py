@@ -6,6 +6,9 @@ place (``cudaHostRegister``) would take ~2.3 ms for the 81 MB and unlocking it ~
 every other CUDA call of the process waits; the unlocking also waits for the device to be idle. A host copy
 instead scales with threads (15.6 / 7.4 / 4.7 / 3.1 / 2.2 ms for the 81 MB on 1 / 2 / 4 / 8 / 16).
 
+A series that is on the device already (a step before the engine left it there: ``denoise`` takes a torch
+tensor) is not staged: ``DeviceSeries`` copies its rows on the device, with ``StagedSeries``' interface.
+
 ``StagedSeries`` copies the rows into page-locked staging memory (torch's caching host allocator, reused
 from run to run) on ``stage_threads()`` threads in ``STAGE_ROUNDS`` rounds, and the uploader thread queues
 each round's copy to the device as soon as it is staged, while the next round is copied and the first pass
@@ -17,7 +20,7 @@ GIL while the caller's thread runs Python waits up to the interpreter's switch i
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 import sys
 import threading
@@ -241,3 +244,70 @@ class StagedSeries:
         for thread in range(threads):
             _copy_threads().submit(copy_parts, thread)
         return Upload([_thread().submit(queue, number) for number in range(len(staged_rounds))], rounds[1:], tensor)
+
+
+def series_layout(series: torch.Tensor) -> str:
+    """"C" for a contiguous (X, Y, Z, T) tensor (voxel after voxel), "F" for a volume-major one (volume after
+    volume: the layout of a NumPy series in Fortran order); ValueError for any other."""
+    if series.is_contiguous():
+        return "C"
+    if series.permute(3, 2, 1, 0).is_contiguous():
+        return "F"
+    raise ValueError("a series on the device must be contiguous, voxel after voxel or volume after volume")
+
+
+def empty_series(shape, layout: str, device) -> torch.Tensor:
+    """An uninitialised float32 (X, Y, Z, T) tensor on ``device`` in ``layout`` ("C" or "F": ``series_layout``)."""
+    if layout == "F":
+        return torch.empty(tuple(shape)[::-1], dtype=torch.float32, device=device).permute(3, 2, 1, 0)
+    return torch.empty(tuple(shape), dtype=torch.float32, device=device)
+
+
+def padded_on_device(series: torch.Tensor, padding: int) -> torch.Tensor:
+    """``layout.padded_series``' series for a tensor: zeros ``padding`` voxels deep around the three spatial
+    axes, in the series' own layout, on its device."""
+    if not padding:
+        return series
+    shape = tuple(s + 2 * padding for s in series.shape[:3]) + tuple(series.shape[3:])
+    padded = empty_series(shape, series_layout(series), series.device).zero_()
+    padded[padding:-padding, padding:-padding, padding:-padding] = series
+    return padded
+
+
+class DeviceSeries:
+    """A float32 (X, Y, Z, T) series that is on the device already (``series_layout``: either order), with
+    ``StagedSeries``' interface: ``upload`` copies whole x-planes' rows into a (rows, T) tensor on the device,
+    on its ``stream`` after the work queued on the current stream before this object was made (a step that
+    wrote the series)."""
+
+    def __init__(self, series: torch.Tensor):
+        series_layout(series)  # (checked)
+        self.series, self.n_volumes = series, series.shape[3]
+        self.plane = series.shape[1] * series.shape[2]
+        self.queued_at, self.staged_at, self.started_at = {}, {}, None  # (nothing staged: no timeline notes)
+        self.written = None
+        if series.is_cuda:
+            self.written = torch.cuda.Event()
+            self.written.record(torch.cuda.current_stream(series.device))
+
+    def rows(self, rows: slice, into: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (whole x-planes) copied into ``into`` (rows, T), on the current stream."""
+        planes = self.series[rows.start // self.plane:rows.stop // self.plane]
+        into.view(planes.shape).copy_(planes)
+        return into
+
+    def upload(self, rows: slice, device, stream, into=None) -> Upload:
+        shape = (rows.stop - rows.start, self.n_volumes)
+        tensor = torch.empty(shape, dtype=torch.float32, device=device) if into is None else into
+        if tensor.shape != shape or tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            raise ValueError(f"an upload goes into a contiguous {shape} float32 tensor")
+        stream.wait_event(self.written)
+        for written in (tensor, self.series):
+            written.record_stream(stream)  # neither's memory is reused before the copy is done
+        with torch.cuda.stream(stream):
+            self.rows(rows, tensor)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        done = Future()
+        done.set_result(copied)
+        return Upload([done], [shape[0] * shape[1]], tensor)
