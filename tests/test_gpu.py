@@ -729,3 +729,26 @@ def test_complex_data_match_cpu(phase_method):
     strong = cpu.denoised > 4 * np.median(cpu.sigma[cpu.sigma > 0])  # where the phase is defined well
     turn = np.angle(np.exp(1j * (gpu.phase[strong].astype(np.float64) - cpu.phase[strong])))
     assert np.sqrt(np.mean(turn ** 2)) <= 1e-3
+
+
+@pytest.mark.parametrize("order, options", [("C", dict(demean="voxel", aggregation="weighted")),  # the box sums
+                                            ("F", {}),  # the defaults: the fused kernels
+                                            ("F", dict(shape="sphere"))])
+def test_a_series_on_the_device_denoises_as_from_the_host(order, options):
+    """``denoise`` of a CUDA tensor (written on the device just before, by a kernel of its own): the same
+    result as the same series from the host (within float32's rounding: the host's series arrives in more
+    parts), on the device in the series' layout; twice, so that a geometry's CUDA graphs replay on it."""
+    import torch
+
+    noisy = np.asarray(dwi_phantom((30, 28, 20), 24, sigma=20.0, seed=5)[0], order=order)
+    from_host = denoise(noisy, device="cuda", **options)
+    for _ in range(2):
+        on_device = torch.from_numpy(noisy).cuda() * 2  # (a product: written on the device, in the layout)
+        result = denoise(on_device / 2, device="cuda", **options)
+        assert isinstance(result.denoised, torch.Tensor) and result.denoised.is_cuda
+        denoised = result.denoised.cpu().numpy()
+        assert denoised.flags.f_contiguous == (order == "F")
+        difference = denoised.astype(np.float64) - from_host.denoised
+        assert np.sqrt(np.mean(difference**2) / np.mean(from_host.denoised.astype(np.float64) ** 2)) <= 1e-6
+        np.testing.assert_allclose(result.sigma, from_host.sigma, rtol=1e-5)
+        assert np.mean(np.abs(result.rank - from_host.rank) < 1e-3) >= 0.999
