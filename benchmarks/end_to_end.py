@@ -26,9 +26,9 @@ Each time is the wall time of the process, taken from outside. Ours also prints 
 start-up, checks, read, denoise and the engine's parts, write, total); the BIDS app's sidecars give each
 denoised run's read, denoise and write, summed here over the runs. The rows run interleaved: ``--repeats``
 rounds, each running every row once; each row's best and median, and the phases of its median run. With
-``--baseline CHECKOUT`` each row of ours has a twin, ``NAME@baseline``, run from another checkout of this
-repository right after it in every round, and a table sets the two side by side (a change's effect, measured
-in one run).
+``--baseline CHECKOUT`` each row of ours and of the BIDS app has a twin, ``NAME@baseline``, run from another
+checkout of this repository right after it in every round, and a table sets the two side by side (a change's
+effect, measured in one run).
 
 Usage (from the repository root)::
 
@@ -133,8 +133,8 @@ def all_rows() -> list[Row]:
 
 def select_rows(patterns: str, baseline=False) -> list[Row]:
     """The rows whose names match any of the comma-separated wildcard patterns and none of those given with
-    a leading '-', in round order; with ``baseline``, each row of ours followed by its twin from the baseline
-    checkout (``NAME@baseline``)."""
+    a leading '-', in round order; with ``baseline``, each row of ours and of the BIDS app followed by its twin
+    from the baseline checkout (``NAME@baseline``)."""
     wanted = [p.strip() for p in patterns.split(",") if p.strip()]
     rows = all_rows()
     for pattern in wanted:
@@ -147,7 +147,7 @@ def select_rows(patterns: str, baseline=False) -> list[Row]:
     if not baseline:
         return chosen
     return [twin for row in chosen for twin in ([row, replace(row, name=f"{row.name}@baseline", baseline=True)]
-                                                 if row.program == "ours" else [row])]
+                                                 if row.program in ("ours", "bids") else [row])]
 
 
 # -- the programs --------------------------------------------------------------------------------------------
@@ -214,8 +214,10 @@ def shape_text(shape) -> str:
 
 def command_of(row: Row, folder: Path, out: Path, cpus: int) -> list[str]:
     """The command line of one run of ``row``: inputs in ``folder``, outputs into ``out``."""
-    if row.program == "bids":
-        return [*program("mppca-nipype", "mppca_nipype.cli.bids_app"), str(folder / "bids"),
+    if row.program == "bids":  # (the baseline's package by its path: not this one's console script)
+        starts = ([sys.executable, "-m", "mppca_nipype.cli.bids_app"] if row.baseline
+                  else program("mppca-nipype", "mppca_nipype.cli.bids_app"))
+        return [*starts, str(folder / "bids"),
                 str(out / "derivatives"), "participant", "--device", row.device, "--skip-bids-validation",
                 "--work-dir", str(out / "work")]
     source, _, options = PROBLEMS[row.problem]
@@ -492,7 +494,9 @@ def bids_table(report: dict) -> str:
     for row in rows:
         timeline = row.get("timeline", {})
         phases = timeline.get("phases", {})
-        lines.append([f"`--device {row['device']}`", seconds_cell(row), fmt(timeline.get("app_done_s")),
+        twin = " (the baseline)" if row["name"].endswith("@baseline") else ""
+        lines.append([f"`--device {row['device']}`{twin}",
+                      seconds_cell(row), fmt(timeline.get("app_done_s")),
                       str(timeline.get("denoised_runs", "—")), timeline.get("ran_on", "—"),
                       *(fmt(phases.get(phase)) for phase in ("read", "denoise", "write")),
                       fmt(timeline.get("longest_run_s"))])

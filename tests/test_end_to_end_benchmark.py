@@ -60,7 +60,8 @@ def test_a_baseline_checkout_runs_beside_this_one_in_every_round(tmp_path):
         init.write(f"\nopen({str(marker)!r}, 'a').write('x')\n")
     out = tmp_path / "end_to_end.json"
     command = [sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--seed-series", "16,16,12,16",
-               "--repeats", "2", "--rows", "seed:cpu", "--baseline", str(baseline), "--work", str(tmp_path),
+               "--subjects", "1", "--dwi", "12,12,10,16", "--bold", "12,12,10,16",
+               "--repeats", "2", "--rows", "seed:cpu,bids:cpu", "--baseline", str(baseline), "--work", str(tmp_path),
                "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                BASELINE_COMMIT="0123abc")
@@ -68,10 +69,15 @@ def test_a_baseline_checkout_runs_beside_this_one_in_every_round(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
 
     report = json.loads(out.read_text())
-    assert report["settings"]["rows"] == ["seed:cpu", "seed:cpu@baseline"]
+    assert report["settings"]["rows"] == ["seed:cpu", "seed:cpu@baseline", "bids:cpu", "bids:cpu@baseline"]
     assert report["settings"]["baseline"] == {"path": str(baseline), "commit": "0123abc"}
-    assert [len(row["runs"]) for row in report["rows"]] == [2, 2]
-    assert marker.read_text() == "xx"  # the baseline's two timed runs, and no other run, imported its package
+    assert [len(row["runs"]) for row in report["rows"]] == [2, 2, 2, 2]
+    assert all("error" not in row for row in report["rows"])
+    # the baseline's four timed runs (two of each row), and no other run, imported its package
+    assert marker.read_text() == "xxxx"
+    assert report["rows"][3]["timeline"]["denoised_runs"] == 2
     markdown = out.with_suffix(".md").read_text()
     assert "**Against the baseline** (commit 0123abc" in markdown
-    assert "| `seed:cpu` |" in markdown.split("**Against the baseline**")[1].split("**Where")[0]
+    against = markdown.split("**Against the baseline**")[1].split("**Where")[0]
+    assert "| `seed:cpu` |" in against and "| `bids:cpu` |" in against
+    assert "| `--device cpu` (the baseline) |" in markdown
