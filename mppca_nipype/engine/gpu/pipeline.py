@@ -137,7 +137,7 @@ class _GPURunOfSlabs:
         self.copies = torch.cuda.Stream(device) if self.on_gpu else None
         self.resident = isinstance(data, torch.Tensor)  # (the series and the result stay on the device)
         self.volume_major = series_layout(data) == "F" if self.resident else is_volume_major(data)
-        self.series = ((DeviceSeries if self.resident else StagedSeries)(data)) if self.on_gpu else None
+        self.series = DeviceSeries(data) if self.resident else StagedSeries(data) if self.on_gpu else None
         self.every_voxel_finite = bool(finite.all())
         self.host_finite = (None if self.every_voxel_finite
                             else np.ascontiguousarray(finite.reshape(-1), dtype=np.float32))
@@ -246,7 +246,7 @@ class _GPURunOfSlabs:
         if not self.on_gpu:
             if self.resident:
                 into = torch.empty((rows.stop - rows.start, self.n_volumes), dtype=torch.float32, device=self.device)
-                return DeviceSeries(self.data).rows(rows, into)
+                return self.series.rows(rows, into)
             slab_rows = np.empty((rows.stop - rows.start, self.n_volumes), dtype=np.float32)
             return to_device(rows_of_planes(self.data, slice(slab.first, slab.stop), slab_rows), self.device)
         into = (self.kept_graphs.volume_for((rows.stop - rows.start, self.n_volumes), self.device)

@@ -164,6 +164,15 @@ def round_bounds(n_elements) -> np.ndarray:
     return np.linspace(0, n_elements, max(1, STAGE_ROUNDS) + 1).astype(np.int64)
 
 
+def _upload_target(shape, device, into=None) -> torch.Tensor:
+    """The (rows, T) float32 tensor an upload of ``shape`` writes: ``into``, checked, else a new one on
+    ``device`` (allocated on the caller's current stream)."""
+    tensor = torch.empty(shape, dtype=torch.float32, device=device) if into is None else into
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.float32 or not tensor.is_contiguous():
+        raise ValueError(f"an upload goes into a contiguous {tuple(shape)} float32 tensor")
+    return tensor
+
+
 class StagedSeries:
     """The caller's contiguous (X, Y, Z, T) float32 series, uploaded by ranges of whole x-planes' rows
     (``upload``) through page-locked staging memory (torch's caching host allocator: reused from call to
@@ -190,9 +199,7 @@ class StagedSeries:
         """Start staging and copying rows ``rows`` to ``device`` on ``stream``, into the (rows, T) float32
         tensor ``into`` if given (else one allocated on the caller's current stream)."""
         shape = (rows.stop - rows.start, self.n_volumes)
-        tensor = torch.empty(shape, dtype=torch.float32, device=device) if into is None else into
-        if tensor.shape != shape or tensor.dtype != torch.float32 or not tensor.is_contiguous():
-            raise ValueError(f"an upload goes into a contiguous {shape} float32 tensor")
+        tensor = _upload_target(shape, device, into)
         tensor.record_stream(stream)  # written there: its memory is not reused before the copies are done
         first, stop = rows.start * self.n_volumes, rows.stop * self.n_volumes
         staging = torch.empty(stop - first, dtype=torch.float32, pin_memory=True)
@@ -298,9 +305,7 @@ class DeviceSeries:
 
     def upload(self, rows: slice, device, stream, into=None) -> Upload:
         shape = (rows.stop - rows.start, self.n_volumes)
-        tensor = torch.empty(shape, dtype=torch.float32, device=device) if into is None else into
-        if tensor.shape != shape or tensor.dtype != torch.float32 or not tensor.is_contiguous():
-            raise ValueError(f"an upload goes into a contiguous {shape} float32 tensor")
+        tensor = _upload_target(shape, device, into)
         stream.wait_event(self.written)
         for written in (tensor, self.series):
             written.record_stream(stream)  # neither's memory is reused before the copy is done
