@@ -104,9 +104,10 @@ class PatchSums:
 def _copied_in_order(series):
     """A copy of a view of an (X, Y, Z, T) torch tensor (a GPU run's result on the device, cropped) laid out as
     the view's strides run: volume-major where its first axis is the fastest, else voxel-major."""
-    if series.stride(0) < series.stride(3):
-        return series.new_empty(tuple(series.shape)[::-1]).permute(3, 2, 1, 0).copy_(series)
-    return series.new_empty(tuple(series.shape)).copy_(series)
+    from .gpu.upload import empty_series  # (only a GPU run's result is a tensor)
+
+    layout = "F" if series.stride(0) < series.stride(3) else "C"
+    return empty_series(series.shape, layout, series.device).copy_(series)
 
 
 @dataclass(frozen=True)
