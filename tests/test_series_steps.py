@@ -146,6 +146,15 @@ def test_the_transform_and_its_inverse_on_the_device_are_numpys(order, coils):
     expected = transform.inverse(denoised).astype(np.float32) * scale[..., None]
     np.testing.assert_allclose(signal, expected, rtol=1e-6, atol=1e-6)
     assert signal[3, 3, 3, 0] == 0 and np.isnan(signal[1, 1, 1, 1]) and np.isinf(signal[2, 2, 2, 2])
+    # a series kept on the device: x stays there, and the inverse comes down in the series' order
+    kept = series_steps.stabilize_series(series_steps.series_on_device(data, CPU, BLOCK), scale, transform, CPU,
+                                         block_values=BLOCK)
+    assert isinstance(kept, torch.Tensor)
+    np.testing.assert_array_equal(kept.numpy(), stabilized)
+    down = series_steps.unstabilize_series(torch.from_numpy(denoised.copy(order="K")), scale, transform, CPU,
+                                           block_values=BLOCK)
+    assert isinstance(down, np.ndarray) and down.flags.f_contiguous == (order == "F")
+    np.testing.assert_array_equal(down, signal)
 
 
 @pytest.mark.parametrize("order", ["C", "F"])

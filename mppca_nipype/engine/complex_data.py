@@ -361,12 +361,15 @@ def _demodulated_on_gpu(magnitude, radians, image, *, phase_method, width, passe
     there for the remodulation), where no GPU memory budget was asked for (``budget`` None: the engine plans
     around what it holds) and each is small beside the device's memory (``series_steps.stays_on_device``);
     blocks of ``blocks`` values. Kept there, R skips its copy down, the engine's staging and copy up, and
-    R_hat its copy down and back up for the remodulation."""
+    R_hat its copy down and back up for the remodulation; so do the first pass's parts and their denoised
+    copy, for ``phase_method="mppca"``."""
     from .gpu.series_steps import complex_parts, demodulate_series, stays_on_device
 
     smoothed = None
-    if phase_method == "mppca":
-        smoothed = first_pass(complex_parts(magnitude, radians, image, device="cuda", block_values=blocks))
+    if phase_method == "mppca":  # (real and imaginary parts: twice the series' bytes)
+        keep_parts = budget is None and engine_on_gpu and stays_on_device(magnitude.size * 8, "cuda")
+        smoothed = first_pass(complex_parts(magnitude, radians, image, device="cuda", keep=keep_parts,
+                                            block_values=blocks))
         lap("first pass")
     keep_phase = budget is None and stays_on_device(magnitude.size * 4, "cuda")
     return demodulate_series(magnitude, radians, image, smoothed, width=width, passes=passes, device="cuda",

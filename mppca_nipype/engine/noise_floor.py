@@ -303,14 +303,21 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     on_gpu = steps_device(run_options.get("device", "auto"), data.shape, denoise_options,
                           run_options.get("nprocs")) == "cuda"
     device = blocks = None
+    series = data  # the series both passes read: on the device between the steps where it may stay there
     if on_gpu:
         from . import resolve_gpu_memory
-        from .gpu.series_steps import block_values_within
+        from .gpu.series_steps import block_values_within, series_on_device, stays_on_device
 
         device = "cuda"
-        blocks = block_values_within(resolve_gpu_memory(run_options.get("gpu_memory")), device)
+        budget = resolve_gpu_memory(run_options.get("gpu_memory"))
+        blocks = block_values_within(budget, device)
+        # kept there (the GPU engine takes a series on the device and leaves its result there), the series
+        # goes up once and the result comes down once, where no budget was asked for (the engine plans
+        # around what it holds) and the series is small beside the device's memory
+        if budget is None and run_options.get("device") != "cpu" and stays_on_device(data.nbytes, device):
+            series = series_on_device(data, device, blocks)
     if noise is None:
-        first = denoise(data, mask, **denoise_options, **run_options)
+        first = denoise(series, mask, **denoise_options, **run_options)
         sigma = noise_level_from_magnitude(first.sigma, first.denoised, coils, threads, device=device,
                                            block_values=blocks)
         del first
@@ -330,7 +337,8 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     if on_gpu:
         from .gpu.series_steps import stabilize_series
 
-        stabilized = stabilize_series(data, scale, transform, device, blocks)
+        stabilized = stabilize_series(series, scale, transform, device, blocks)
+        del series
     else:
         stabilized = np.empty_like(data)
         np.divide(data, scale[..., None], out=stabilized)
@@ -343,8 +351,8 @@ def denoise_magnitude(data, mask=None, *, noise_floor, coils=1, noise=None, deno
     if on_gpu:
         from .gpu.series_steps import unstabilize_series
 
-        unstabilize_series(signal, np.where(mask, scale, 0).astype(np.float32), transform, device,
-                           blocks)  # 0 outside the mask
+        signal = unstabilize_series(signal, np.where(mask, scale, 0).astype(np.float32), transform, device,
+                                    blocks)  # 0 outside the mask; on the host
     else:
         _in_chunks(transform.inverse, signal, signal, threads)
         signal *= scale[..., None]

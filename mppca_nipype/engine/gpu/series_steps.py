@@ -45,8 +45,9 @@ def torch_device(device) -> torch.device:
     return device
 
 
-def series_blocks(series: np.ndarray, whole: str | None = None, block_values: int | None = None):
-    """Index tuples (one slice per axis) of blocks that cover the (X, Y, Z, T) ``series``, each at most
+def series_blocks(series, whole: str | None = None, block_values: int | None = None):
+    """Index tuples (one slice per axis) of blocks that cover the (X, Y, Z, T) ``series`` (NumPy, or a tensor
+    kept on the device), each at most
     ``block_values`` (default ``BLOCK_VALUES``) values or one plane of its axis.
 
     ``whole`` None: slabs along the slowest axis in memory (x, or t for a volume-major series), each block
@@ -56,13 +57,13 @@ def series_blocks(series: np.ndarray, whole: str | None = None, block_values: in
     """
     if whole not in (None, "time courses", "slices"):
         raise ValueError(f"a block holds whole 'time courses' or 'slices', not {whole!r}")
-    volume_major = is_volume_major(series)
+    volume_major = _order(series) == "F"
     if whole == "slices" or (whole == "time courses" and volume_major):
         axis = 2
     else:
         axis = 3 if volume_major and whole is None else 0
     size = series.shape[axis]
-    per_plane = max(1, series.size // max(1, size))
+    per_plane = max(1, math.prod(series.shape) // max(1, size))
     step = max(1, (block_values or BLOCK_VALUES) // per_plane)
     blocks = []
     for start in range(0, size, step):
@@ -124,10 +125,15 @@ class Transfers:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def upload(self, array: np.ndarray, dtype=None, staging=None) -> torch.Tensor:
+    def upload(self, array, dtype=None, staging=None) -> torch.Tensor:
         """A copy of the NumPy ``array`` (a block's view, any layout) on the device; or, with ``staging``, of
         what ``staging(values, out)`` writes from each piece of it into ``out`` of ``dtype`` (a function of
-        the values computed on the host as they are staged: fewer bytes go to the device)."""
+        the values computed on the host as they are staged: fewer bytes go to the device). A block of a series
+        kept on the device (a tensor) is there already: it is returned as it is."""
+        if isinstance(array, torch.Tensor):
+            if dtype is not None or staging is not None:
+                raise ValueError("a block on the device is not staged: compute its values there")
+            return array
         array = np.asarray(array)
         host, staged = self._staged(array.shape, dtype or array.dtype, _fortran_like(array))
         on_device = torch.empty_like(staged, device=self.device)  # (the staging's strides)
@@ -248,6 +254,16 @@ def stays_on_device(nbytes: int, device) -> bool:
     return nbytes <= RESIDENT_SHARE * torch.cuda.get_device_properties(device).total_memory
 
 
+def series_on_device(series: np.ndarray, device, block_values=None) -> torch.Tensor:
+    """A copy of the NumPy (X, Y, Z, T) float32 ``series`` on ``device``, in its layout (``upload.empty_series``),
+    block by block through the page-locked staging (``Transfers``): to keep it there through several steps."""
+    copies = Transfers(device)
+    on_device = empty_series(series.shape, _order(series), copies.device)
+    for index in series_blocks(series, block_values=block_values):
+        on_device[index] = copies.upload(series[index])
+    return on_device
+
+
 def _table(values, device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(values, np.float64), device=device)
 
@@ -310,26 +326,38 @@ def unstabilized(x: torch.Tensor, inverse: PiecewiseLinear) -> torch.Tensor:
 
 # -- the magnitude noise floor (``noise_floor``) ---------------------------------------------------------
 
-def stabilize_series(data: np.ndarray, scale: np.ndarray, transform, device, block_values=None) -> np.ndarray:
+def stabilize_series(data, scale: np.ndarray, transform, device, block_values=None):
     """x = f(``data`` / ``scale``) (float32, ``data``'s shape and order): ``denoise_magnitude``'s transform,
-    ``scale`` the (X, Y, Z) float32 sigma map and ``transform`` a ``MagnitudeStabilizer``."""
+    ``scale`` the (X, Y, Z) float32 sigma map and ``transform`` a ``MagnitudeStabilizer``. ``data`` NumPy, or a
+    series kept on the device (``series_on_device``): x is then a tensor there too."""
     copies = Transfers(device)
     forward = PiecewiseLinear(transform.knots, transform.values, copies.device)
-    out = np.empty(data.shape, np.float32, order="F" if is_volume_major(data) else "C")
+    kept = isinstance(data, torch.Tensor)
+    out = (empty_series(data.shape, _order(data), copies.device) if kept
+           else np.empty(data.shape, np.float32, order=_order(data)))
     for index in series_blocks(data, block_values=block_values):
         y = copies.upload(data[index]) / copies.upload(scale[index[:3]])[..., None]  # float32, as NumPy
-        copies.download(stabilized(y, forward), out[index])
+        if kept:
+            out[index] = stabilized(y, forward)  # (rounded to float32 as a download's copy rounds it)
+        else:
+            copies.download(stabilized(y, forward), out[index])
     return out
 
 
-def unstabilize_series(signal: np.ndarray, scale: np.ndarray, transform, device, block_values=None) -> None:
-    """In place: ``signal`` (the denoised x, float32) becomes theta * ``scale`` (float32), theta the
-    ``transform``'s inverse (``denoise_magnitude``'s last step; ``scale`` 0 where the output is 0)."""
+def unstabilize_series(signal, scale: np.ndarray, transform, device, block_values=None) -> np.ndarray:
+    """``signal`` (the denoised x, float32) as theta * ``scale`` (float32), theta the ``transform``'s inverse
+    (``denoise_magnitude``'s last step; ``scale`` 0 where the output is 0): in place for NumPy, which is
+    returned; a series kept on the device is unstabilized there and comes down into a new NumPy array in its
+    order, each block while the next is computed."""
     copies = Transfers(device)
     inverse = PiecewiseLinear(transform.expected, transform.thetas, copies.device)
+    out = np.empty(tuple(signal.shape), np.float32, order=_order(signal)) if isinstance(signal, torch.Tensor) \
+        else signal
     for index in series_blocks(signal, block_values=block_values):
         theta = unstabilized(copies.upload(signal[index]), inverse).to(torch.float32)
-        copies.download(theta * copies.upload(scale[index[:3]])[..., None], signal[index])
+        copies.download(theta * copies.upload(scale[index[:3]])[..., None], out[index], later=True)
+    copies.finish()
+    return out
 
 
 def noise_level(sigma_mp: np.ndarray, mean_magnitude: np.ndarray, means, variances, bisections: int, device,
@@ -394,20 +422,24 @@ def _window(shape, width, device):
 
 
 def complex_parts(magnitude: np.ndarray, radians: np.ndarray | None = None, image: np.ndarray | None = None, *,
-                  device, block_values=None) -> np.ndarray:
+                  device, keep=False, block_values=None):
     """The real and imaginary parts of S = ``magnitude`` e^{i ``radians``} (or of the complex64 ``image``) as
     one (X, Y, Z, 2T) float32 series in ``magnitude``'s order, real parts first: the series that
-    ``phase_method="mppca"`` denoises first."""
+    ``phase_method="mppca"`` denoises first. NumPy, or with ``keep`` a tensor kept on the device."""
     copies = Transfers(device)
     n_volumes = magnitude.shape[3]
-    parts = np.empty(magnitude.shape[:3] + (2 * n_volumes,), np.float32,
-                     order="F" if is_volume_major(magnitude) else "C")
+    shape, order = magnitude.shape[:3] + (2 * n_volumes,), _order(magnitude)
+    parts = empty_series(shape, order, copies.device) if keep else np.empty(shape, np.float32, order=order)
     for index in series_blocks(magnitude, block_values=block_values):
         block_image = (copies.upload(image[index]) if image is not None
                        else modulated(copies.upload(magnitude[index]), copies.upload(radians[index])))
         first, last, _ = index[3].indices(n_volumes)
-        copies.download(block_image.real, parts[index[:3] + (slice(first, last),)])
-        copies.download(block_image.imag, parts[index[:3] + (slice(first + n_volumes, last + n_volumes),)])
+        for part, volumes in ((block_image.real, slice(first, last)),
+                              (block_image.imag, slice(first + n_volumes, last + n_volumes))):
+            if keep:
+                parts[index[:3] + (volumes,)] = part
+            else:
+                copies.download(part, parts[index[:3] + (volumes,)])
     return parts
 
 
@@ -418,7 +450,7 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
 
     S = ``magnitude`` e^{i ``radians``} (or the complex64 ``image`` itself, its non-finite values 0); phi its
     background phase (``background_phase_of``), or that of ``smoothed`` (the (X, Y, Z, 2T) first pass of
-    ``phase_method="mppca"``: real parts, then imaginary); R = Re(S e^{-i phi}) (the magnitude where it is
+    ``phase_method="mppca"``: real parts, then imaginary; NumPy or kept on the device); R = Re(S e^{-i phi}) (the magnitude where it is
     NaN or Inf), I = Im(S e^{-i phi}). Returns (R, phi, the mean over volumes of I^2 per voxel (X, Y, Z)
     float64): R and phi float32 in ``magnitude``'s order; phi as a tensor on the device where ``keep_phase``
     (for ``remodulated_phase``, which takes either), R where ``keep_real`` (for ``engine.denoise``, which takes
