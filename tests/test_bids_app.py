@@ -173,6 +173,30 @@ def test_a_rerun_reuses_the_cache_and_restores_deleted_outputs(dataset, tmp_path
     assert checksums(bids_dir) == before
 
 
+def test_the_workflow_runs_with_the_objects_made_before_it_out_of_the_collectors_reach(dataset, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Nipype's MultiProc collects garbage before each round of submissions: the modules, the dataset's index
+    and the workflow are frozen first (gc.freeze), so that each collection skips them; thawed after."""
+    import gc
+
+    from nipype.pipeline.engine import Workflow
+
+    frozen = []
+    run = Workflow.run
+
+    def recorded(self, *args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Workflow, "run", recorded)
+    before = gc.get_freeze_count()
+    code, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--participant-label", "01",
+                           "--datatype", "dwi", "--skip-bids-validation", *FAST)
+    assert code == 0, err
+    assert len(frozen) == 1 and frozen[0] > before + 10_000
+    assert gc.get_freeze_count() == before
+
+
 # ------------------------------------------------------------------------------------------------ filters
 
 @pytest.mark.parametrize("label", ["02", "sub-02"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from contextlib import ExitStack
+import gc
 import json
 import math
 import os
@@ -620,6 +621,10 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
                 node.plugin_args = {"sbatch_args": sbatch_resources(node), "overwrite": False}
     if args.plugin in ("MultiProc", "Linear"):
         plugin_args.setdefault("status_callback", progress)
+    # Nipype's MultiProc collects garbage before each round of submissions and after each node it runs
+    # itself; the objects made so far (modules, the dataset's index, the workflow) live to the end, and
+    # frozen out of the collector's reach they no longer make each collection slow
+    gc.freeze()
     try:
         workflow.run(plugin=args.plugin, plugin_args=plugin_args)
     except RuntimeError:
@@ -628,6 +633,8 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
     except Exception as err:  # a plugin that cannot start (e.g. no sbatch for SLURM)
         raise AppError(f"the {args.plugin} plugin failed: {' '.join(str(err).split())[:300]}",
                        EXIT["failure"]) from None
+    finally:
+        gc.unfreeze()  # (a caller in this process, a test, gets its collector back as it was)
     return failed
 
 
