@@ -197,6 +197,28 @@ def test_the_workflow_runs_with_the_objects_made_before_it_out_of_the_collectors
     assert gc.get_freeze_count() == before
 
 
+def test_the_nodes_processes_start_from_a_fork_server_that_imported_their_modules(dataset, tmp_path, capsys):
+    """Where MultiProc's workers start through ``forkserver`` (with GPUs, or asked for), the server starts
+    before the workflow is built, with the modules a node needs imported, and the nodes run from it."""
+    from argparse import Namespace
+    from multiprocessing import forkserver
+
+    from mppca_nipype.cli.bids_app import NODE_MODULES, node_start_method
+
+    multiproc = Namespace(plugin="MultiProc", plugin_args={})
+    assert node_start_method(multiproc, use_gpu=True) == "forkserver"
+    assert node_start_method(multiproc, use_gpu=False) is None
+    assert node_start_method(Namespace(plugin="MultiProc", plugin_args={"mp_context": "spawn"}), True) == "spawn"
+    assert node_start_method(Namespace(plugin="Linear", plugin_args={}), True) is None
+    code, _, err = run_app(capsys, dataset[0], tmp_path / "out", "participant", "--participant-label", "01",
+                           "--datatype", "dwi", "--skip-bids-validation", "--plugin-args",
+                           '{"mp_context": "forkserver"}', *FAST)
+    assert code == 0, err
+    assert forkserver._forkserver._preload_modules == ["__main__", *NODE_MODULES]
+    assert forkserver._forkserver._forkserver_pid is not None
+    assert produced(tmp_path / "out") == expected_outputs(subjects=("01",), datatypes=("dwi",))
+
+
 # ------------------------------------------------------------------------------------------------ filters
 
 @pytest.mark.parametrize("label", ["02", "sub-02"])
