@@ -31,7 +31,7 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
                                     traits)
 from nipype.utils.filemanip import fname_presuffix
 
-from .engine import DEFAULTS, NOISE_FLOORS
+from .engine import DEFAULTS, NOISE_FLOORS, default_filter
 from .engine.maps import MAPS
 from .engine.gpu import absent_reason, visible_devices as visible_gpus
 from .engine.complex_data import PHASE_METHODS
@@ -205,10 +205,12 @@ class _MPPCADenoiseInputSpec(BaseInterfaceInputSpec):
                               "volumes (volume_groups)")
     bval_file = File(exists=True, desc="with demean 'shells': the b-values of in_file's volumes (FSL's .bval)")
     volume_groups = traits.List(traits.Int, desc="with demean 'groups': the group label of each volume")
-    filter = traits.Enum(*default_first("filter", FILTERS), usedefault=True,  # noqa: A003
+    filter = traits.Enum(*FILTERS,  # noqa: A003
                          desc="what each patch keeps of its components: 'hard' its P leading ones whole "
                               "(MP-PCA), 'optshrink' Gavish & Donoho's optimal shrinkage of the singular "
-                              "values (Frobenius loss, 2017), 'optthresh' their optimal hard threshold (2014)")
+                              "values (Frobenius loss, 2017), 'optthresh' their optimal hard threshold (2014); "
+                              "default 'optshrink', and 'optthresh' with phase_file (it leaves complex data the "
+                              "least bias)")
     noise_in = traits.Either(
         traits.Float, File(exists=True),
         desc="a given noise level (standard deviation) instead of each patch's MP-PCA estimate: one positive "
@@ -285,7 +287,9 @@ class MPPCADenoise(SimpleInterface):
             mask = io.load_mask(self.inputs.mask, data.shape[:3])
         parameters = dict(extent=self.inputs.extent, stride=self.inputs.stride, shape=self.inputs.shape,
                           estimator=self.inputs.estimator, aggregation=self.inputs.aggregation,
-                          demean=self.inputs.demean, filter=self.inputs.filter)
+                          demean=self.inputs.demean,
+                          filter=(self.inputs.filter if isdefined(self.inputs.filter)
+                                  else default_filter(isdefined(self.inputs.phase_file))))
         if self.inputs.demean == "shells" and isdefined(self.inputs.bval_file):
             parameters["bvals"] = io.read_numbers(self.inputs.bval_file, ".bval file")
         if self.inputs.demean == "groups" and isdefined(self.inputs.volume_groups):

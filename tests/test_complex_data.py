@@ -181,6 +181,33 @@ def test_the_command_writes_the_engines_magnitude_and_phase(files, tmp_path):
     np.testing.assert_allclose(nib.load(tmp_path / "phase.nii.gz").get_fdata(), expected.phase, atol=1e-5)
 
 
+def test_complex_data_take_optthresh_unless_a_filter_is_given(files, tmp_path):
+    """Complex data's filter (``COMPLEX_FILTER``) in the engine, the command, the interface's default and the
+    methods texts; a filter given is taken as it is, and magnitude data keep the defaults' optshrink."""
+    from mppca_nipype.engine import COMPLEX_FILTER, DEFAULTS, default_filter
+    from mppca_nipype.workflows import init_mppca_wf, methods_text, references_text
+
+    assert COMPLEX_FILTER == default_filter(True) == "optthresh" and default_filter(False) == DEFAULTS["filter"]
+    magnitude, phase = (nib.load(files[name]).get_fdata() for name in ("mag", "phase"))
+    default = denoise_complex(magnitude, phase, device="cpu", nprocs=1)
+    assert default.info["filter"] == "optthresh"
+    np.testing.assert_array_equal(
+        default.denoised, denoise_complex(magnitude, phase, filter="optthresh", device="cpu", nprocs=1).denoised)
+    shrunk = denoise_complex(magnitude, phase, filter="optshrink", device="cpu", nprocs=1)
+    assert shrunk.info["filter"] == "optshrink" and np.abs(shrunk.denoised - default.denoised).max() > 1.0
+    result = run_cli(files["mag"], "out.nii.gz", "--phase", files["phase"], "--filter", "optshrink", "--device",
+                     "cpu", "--nprocs", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(nib.load(tmp_path / "out.nii.gz").get_fdata(), shrunk.denoised, atol=1e-3)
+    assert "optimal hard threshold" in init_mppca_wf(phase_method="hann", use_gpu=False).__desc__
+    assert "optimal shrinker" in init_mppca_wf(use_gpu=False).__desc__
+    both = methods_text(filter="optshrink", phase_method="hann", complex_filter="optthresh")
+    assert "optimal shrinker" in both and "denoised as above, except that, with that noise level" in both
+    assert "denoised as above;" in methods_text(filter="optthresh", phase_method="hann", complex_filter="optthresh")
+    cited = references_text(filter="optshrink", complex_data=True, complex_filter="optthresh")
+    assert "10.1109/TIT.2017.2653801" in cited and "10.1109/TIT.2014.2323359" in cited
+
+
 def test_the_command_denoises_a_complex_file_as_its_magnitude_and_phase_and_writes_complex64(files, tmp_path):
     result = run_cli(files["complex"], "out.nii.gz", "--noise", "sigma.nii.gz", "--device", "cpu", "--nprocs", "1",
                      cwd=tmp_path)
@@ -244,6 +271,7 @@ def test_the_interface_round_trip_writes_the_phase_and_records_it(files, tmp_pat
     np.testing.assert_allclose(nib.load(outputs.out_file).get_fdata(), expected.denoised, atol=1e-3)
     np.testing.assert_allclose(nib.load(outputs.out_phase_file).get_fdata(), expected.phase, atol=1e-5)
     provenance = json.loads(open(outputs.provenance_file).read())
+    assert provenance["Parameters"]["filter"] == provenance["EngineInfo"]["filter"] == "optthresh"
     assert provenance["Parameters"]["phase_method"] == "hann"
     assert provenance["Parameters"]["phase_file"] == "phase.nii.gz"
     assert (provenance["Parameters"]["noise_floor"], provenance["Parameters"]["coils"]) == ("none", 1)

@@ -248,6 +248,7 @@ def test_mppca_nipype_takes_filter_and_hands_it_to_every_run(tmp_path):
 
     args = build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant", "--filter", "optthresh"])
     assert args.filter == "optthresh"
-    assert build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant"]).filter == "optshrink"
+    assert build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant"]).filter is None
+    assert "default: optshrink; for complex data" in " ".join(build_parser().format_help().split())
     with pytest.raises(AppError, match="--filter: invalid choice: 'soft'"):
         build_parser().parse_args([str(tmp_path), str(tmp_path / "out"), "participant", "--filter", "soft"])

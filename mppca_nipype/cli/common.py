@@ -316,15 +316,16 @@ def add_denoising_options(parser, *, stride=None, stride_unset=False, groups=Fal
 
 def add_filter_option(parser) -> None:
     """``--filter`` of the commands that denoise (``mppca-denoise``, ``mppca-nipype``)."""
-    from ..engine import DEFAULTS
+    from ..engine import COMPLEX_FILTER, DEFAULTS
     from ..engine.estimators import FILTERS
 
-    parser.add_argument("--filter", choices=FILTERS, default=DEFAULTS["filter"],
+    parser.add_argument("--filter", choices=FILTERS,
                         help="what each patch keeps of its components, the noise level taken as known: hard, "
                              "its P leading components whole (MP-PCA, dwidenoise); optshrink, Gavish & "
                              "Donoho's optimal shrinkage of the singular values (Frobenius loss, 2017); "
                              "optthresh, their optimal hard threshold (2014) (docs/options.md) "
-                             "(default: %(default)s)")
+                             f"(default: {DEFAULTS['filter']}; for complex data, a magnitude with its phase, "
+                             f"{COMPLEX_FILTER}, which leaves them the least bias)")
 
 
 def add_noise_floor_options(parser) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import io
 from ..engine import (DEFAULTS, DEVICES, MIN_VOLUMES, NOISE_STRIDE, MPPCAInputError, MPPCAWarning, check_device,
-                      choose_device, denoise, resolve_noise, resolve_options)
+                      choose_device, default_filter, denoise, resolve_noise, resolve_options)
 from ..engine.complex_data import denoise_complex
 from ..engine.groups import GROUP_DEMEANING, check_groups, plan_groups
 from ..phases import Phases, process_age
@@ -326,6 +326,8 @@ def _checked(args, parser):
         phase_shape = tuple(io.load_image(args.phase, "phase").shape)
         if phase_shape != shape:
             raise MPPCAInputError(f"the phase {args.phase} has shape {phase_shape}, but the magnitude's is {shape}")
+    if args.filter is None:  # complex data (a magnitude with its phase, or a complex series) have their own
+        args.filter = default_filter(io.is_complex(image) or args.phase is not None)
     for path, _ in args.echo or ():  # the other echoes' headers: IN's grid and volumes
         echo_shape = tuple(io.open_series(path).shape)
         if echo_shape != shape:

@@ -213,18 +213,19 @@ def denoise_complex(magnitude, phase=None, mask=None, *, phase_method="hann", ph
     magnitude_out : {"clip", "abs"}
         How the denoised magnitude is taken from R_hat (step 5).
     extent, stride, estimator, aggregation, demean, filter, shape, noise, device, nprocs, gpu_memory, progress
-        As for ``denoise`` (None: its defaults); ``noise`` is the sigma of each real channel.
+        As for ``denoise`` (None: its defaults, but for ``filter``: ``COMPLEX_FILTER``, optthresh, which
+        leaves the least bias); ``noise`` is the sigma of each real channel.
 
     Returns
     -------
     ComplexDenoiseResult
     """
-    from . import (DEFAULTS, _finite_voxels, check_data, coarse_stride, count_negative, denoise, resolve_gpu_memory,
-                   steps_device)
+    from . import (DEFAULTS, _finite_voxels, check_data, coarse_stride, count_negative, default_filter, denoise,
+                   resolve_gpu_memory, steps_device)
 
     options = {name: DEFAULTS[name] if value is None else value
                for name, value in dict(extent=extent, stride=stride, estimator=estimator, aggregation=aggregation,
-                                       demean=demean, filter=filter, shape=shape).items()}
+                                       demean=demean, filter=filter or default_filter(True), shape=shape).items()}
 
     seconds, last = {}, time.perf_counter()
 

@@ -10,7 +10,7 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
 from nipype.interfaces.utility import IdentityInterface, Select
 from nipype.pipeline import engine as pe
 
-from ..engine import DEFAULTS
+from ..engine import COMPLEX_FILTER, DEFAULTS, default_filter
 from ..engine.complex_data import PHASE_METHODS, PHASE_PASSES, PHASE_WIDTH
 from ..interfaces import MPPCADenoise, gpu_probably_usable
 
@@ -83,12 +83,13 @@ _FILTER_TEXT = {
 def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estimator=DEFAULTS["estimator"],
                  aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], noise_in=None,
                  noise_floor="none", coils=1, what="series", filter=DEFAULTS["filter"],  # noqa: A002
-                 phase_method=None, echoes=False, patch_shape=DEFAULTS["shape"]) -> str:
+                 phase_method=None, complex_filter=None, echoes=False, patch_shape=DEFAULTS["shape"]) -> str:
     """The methods paragraph for the given parameters (Markdown, with citations). ``noise_in``: None (the
     noise estimated per patch), a number (one given sigma) or "maps" (a given map per series);
     ``noise_floor`` and ``coils`` as for :func:`mppca_nipype.denoise`; ``phase_method``: how the background
     phase of the series saved with their phase was estimated (:func:`mppca_nipype.denoise_complex`), None
-    when none was; ``echoes``: some series were the echoes of multi-echo runs, denoised jointly."""
+    when none was, and ``complex_filter`` their filter where it is not ``filter``; ``echoes``: some series
+    were the echoes of multi-echo runs, denoised jointly."""
     from .. import __version__
 
     if extent == "auto":
@@ -152,7 +153,10 @@ def methods_text(*, extent=DEFAULTS["extent"], stride=DEFAULTS["stride"], estima
                         f"of a 2D Hann low-pass filter in k-space{first} (over the central {PHASE_WIDTH:g} of "
                         f"each in-plane axis, {PHASE_PASSES} passes; [@eichner2015]) and removed, and the real "
                         f"part of the demodulated series, whose noise is Gaussian with no magnitude floor, was "
-                        f"denoised as above; the denoised magnitude is its positive part, the denoised phase that "
+                        f"denoised as above"
+                        + (f", except that, {_FILTER_TEXT[complex_filter]}"
+                           if complex_filter not in (None, filter) else "")
+                        + f"; the denoised magnitude is its positive part, the denoised phase that "
                         f"of the denoised complex series, and the noise map the noise level of each real channel.")
     return (
         f"The {what} were denoised with Marchenko-Pastur principal component analysis (MP-PCA; "
@@ -230,7 +234,7 @@ def sbatch_resources(node) -> str:
 
 def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS["stride"],
                   estimator=DEFAULTS["estimator"], aggregation=DEFAULTS["aggregation"],
-                  demean=DEFAULTS["demean"], filter=DEFAULTS["filter"], use_gpu=None,  # noqa: A002
+                  demean=DEFAULTS["demean"], filter=None, use_gpu=None,  # noqa: A002
                   num_threads=1, shape=None, patch_shape=DEFAULTS["shape"], noise_in=None, gpu_memory=None,
                   noise_floor="none", coils=1, phase_method=None, maps=()):
     """MP-PCA denoising of one 4D series.
@@ -240,7 +244,8 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     name : str
         The workflow's name.
     extent, stride, estimator, aggregation, demean, filter
-        The denoising options (see :func:`mppca_nipype.denoise`).
+        The denoising options (see :func:`mppca_nipype.denoise`); ``filter`` None: the defaults' (optshrink),
+        or with ``phase_method`` complex data's (``COMPLEX_FILTER``, optthresh).
     use_gpu : bool, optional
         Run on a CUDA GPU when usable (default: when a GPU is usable here and, the shape given, it would
         finish first, its start included: :func:`gpu_finishes_first`).
@@ -297,6 +302,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
     echo_denoised, provenance_file
         With ``echo_files``: each of them denoised; the provenance alone (for the other echoes' sidecars).
     """
+    filter = filter or default_filter(phase_method is not None)  # noqa: A001
     workflow = pe.Workflow(name=name)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_in,
@@ -343,7 +349,7 @@ def init_mppca_wf(*, name="mppca_wf", extent=DEFAULTS["extent"], stride=DEFAULTS
 
 def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEFAULTS["extent"],
                  stride=DEFAULTS["stride"], patch_shape=DEFAULTS["shape"], estimator=DEFAULTS["estimator"],
-                 aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=DEFAULTS["filter"],  # noqa: A002
+                 aggregation=DEFAULTS["aggregation"], demean=DEFAULTS["demean"], filter=None,  # noqa: A002
                  use_gpu=None, num_threads=1, reports=True, noise_in=None, gpu_memory=None, noise_floor="none",
                  coils=1, phase_method=PHASE_METHODS[0], maps=()):
     """Denoise the given BIDS runs and write them as derivatives of ``bids_dir`` into ``output_dir``.
@@ -369,7 +375,8 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
         Extra maps each run without a phase writes (``lambda_plus``, ``variance_removed``), named by
         :func:`mppca_nipype.bids.derivative_names`.
     other parameters
-        As for :func:`init_mppca_wf`; applied to every run.
+        As for :func:`init_mppca_wf`; applied to every run (``filter`` None: each run its kind's default,
+        optthresh for a magnitude/phase pair).
 
     One ``init_mppca_wf`` sub-workflow per run, named after the run, each followed by a
     :class:`mppca_nipype.bids.DerivativesSink` node. A multi-echo run (``run.echoes``) is denoised jointly by
@@ -387,13 +394,18 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     noise_maps = noise_in is not None and not isinstance(noise_in, (int, float))
     noise_kind = "maps" if noise_maps else noise_in
     pairs = any(run.phase is not None for run in todo)
-    floor = noise_floor if any(run.phase is None for run in todo) else "none"  # (a pair has no floor)
+    magnitudes = any(run.phase is None for run in todo)
+    floor = noise_floor if magnitudes else "none"  # (a pair has no floor)
+    pair_filter = filter or COMPLEX_FILTER
+    main_filter = filter or default_filter(not magnitudes)  # (the filter of the runs without a phase, if any)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_kind,
-                                     noise_floor=floor, coils=coils, what=what, filter=filter,
+                                     noise_floor=floor, coils=coils, what=what, filter=main_filter,
                                      phase_method=phase_method if pairs else None,
+                                     complex_filter=pair_filter if pairs else None,
                                      echoes=any(run.echoes for run in todo), patch_shape=patch_shape)
-    workflow.__postdesc__ = references_text(floor, filter, estimator, complex_data=pairs)
+    workflow.__postdesc__ = references_text(floor, main_filter, estimator, complex_data=pairs,
+                                            complex_filter=pair_filter if pairs else None)
     for run in todo:
         run_maps = maps if run.phase is None else ()  # (a magnitude/phase pair: denoise_complex, no extra maps)
         shape = series_shape(run.path)
@@ -485,9 +497,11 @@ def series_shape(path):
 
 
 def references_text(noise_floor="none", filter="hard", estimator=DEFAULTS["estimator"],  # noqa: A002
-                    complex_data=False) -> str:
-    """The references section of a workflow's methods text."""
-    cited = [ESTIMATOR_REFERENCES.get(estimator, ""), FILTER_REFERENCES.get(filter, "")]
+                    complex_data=False, complex_filter=None) -> str:
+    """The references section of a workflow's methods text (``complex_filter``: that of the complex series,
+    where it is not ``filter``)."""
+    cited = [ESTIMATOR_REFERENCES.get(estimator, ""), FILTER_REFERENCES.get(filter, ""),
+             FILTER_REFERENCES.get(complex_filter, "")]
     return ("\n### References\n\n" + REFERENCES + (NOISE_FLOOR_REFERENCES if noise_floor != "none" else "")
             + (COMPLEX_REFERENCES if complex_data else "") + "".join(dict.fromkeys(cited)))
 
