@@ -82,17 +82,19 @@ def test_the_mppca_denoise_and_mppca_noise_examples_of_usage_md_run_in_order(tmp
 
 @pytest.mark.parametrize("page", [DOCS / "options.md", DOCS.parent / "README.md"], ids=["options.md", "README.md"])
 def test_the_options_table_gives_the_engines_defaults(page):
-    """docs/options.md's and the README's tables: one row per option, its default the engine's (DEFAULTS)."""
-    from mppca_nipype.engine import DEFAULTS
+    """docs/options.md's and the README's tables: one row per option, its default the engine's (DEFAULTS; the
+    filter's with complex data's beside it, COMPLEX_FILTER)."""
+    from mppca_nipype.engine import COMPLEX_FILTER, DEFAULTS
 
     rows = {}
     for line in page.read_text().splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if line.startswith("| `") and len(cells) >= 3:
-            rows[cells[0].strip("`")] = cells[2].strip("`")
+            rows[cells[0].strip("`")] = cells[2]
     for option, default in DEFAULTS.items():
+        expected = f"`{default}`" + (f"; `{COMPLEX_FILTER}` for complex data" if option == "filter" else "")
         if option in rows or page.name == "options.md":
-            assert rows.get(option) == str(default), f"{page.name} gives {option} default {rows.get(option)!r}"
+            assert rows.get(option) == expected, f"{page.name} gives {option} default {rows.get(option)!r}"
 
 
 def test_the_outputs_page_names_what_bids_py_names():
