@@ -47,8 +47,8 @@ def torch_device(device) -> torch.device:
 
 def series_blocks(series, whole: str | None = None, block_values: int | None = None):
     """Index tuples (one slice per axis) of blocks that cover the (X, Y, Z, T) ``series`` (NumPy, or a tensor
-    kept on the device), each at most
-    ``block_values`` (default ``BLOCK_VALUES``) values or one plane of its axis.
+    kept on the device), each at most ``block_values`` (default ``BLOCK_VALUES``) values or one plane of its
+    axis.
 
     ``whole`` None: slabs along the slowest axis in memory (x, or t for a volume-major series), each block
     one contiguous piece. "time courses": each block holds its voxels' whole time courses (x-slabs, or z-slabs
