@@ -93,6 +93,14 @@ def noise_variance_curve(lam, r):
     return [math.fsum(lam[P:r]) / (r - P) for P in range(r)]
 
 
+def exact_zeros(eigenvalues):
+    """The eigenvalues as floats, those within float64's round-off of 0 (at most m eps times the largest, m
+    of them) set to 0: the zeros of a rank-deficient patch, which the solver's round-off alone would set."""
+    values = [float(v) for v in eigenvalues]
+    floor = len(values) * float(np.finfo(np.float64).eps) * max(max(values), 0.0)
+    return [0.0 if v <= floor else v for v in values]
+
+
 def mp_threshold(eigenvalues, n_voxels, n_volumes, estimator):
     """P_hat and sigma^2(P_hat) of one patch, exactly as DESIGN.md states the rule (exp1, exp2), or by the edge
     estimators of docs/options.md ("Estimators": med, olesen2023; ``edge_threshold``).
@@ -103,7 +111,7 @@ def mp_threshold(eigenvalues, n_voxels, n_volumes, estimator):
     if estimator in ("med", "olesen2023"):
         return edge_threshold(eigenvalues, n_voxels, n_volumes, estimator)
     r, q = min(n_voxels, n_volumes), max(n_voxels, n_volumes)
-    s = sorted((float(v) for v in eigenvalues), reverse=True)[:r]
+    s = sorted(exact_zeros(eigenvalues), reverse=True)[:r]
     lam = [max(v, 0.0) / q for v in s]  # lambda_1 >= ... >= lambda_r
     sigma2 = noise_variance_curve(lam, r)
     for P in range(r):
@@ -145,7 +153,7 @@ def edge_threshold(eigenvalues, n_voxels, n_volumes, estimator):
     for the smallest such P the rank is the number of lambda_i above that edge. (r, 0.0) when there is none.
     """
     r, q = min(n_voxels, n_volumes), max(n_voxels, n_volumes)
-    s = sorted((float(v) for v in eigenvalues), reverse=True)[:r]
+    s = sorted(exact_zeros(eigenvalues), reverse=True)[:r]
     lam = [max(v, 0.0) / q for v in s]  # lambda_1 >= ... >= lambda_r
     spread = (1 + math.sqrt(r / q)) ** 2
     for P in range(r):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mppca_nipype.engine.estimators import (
-    aggregation_weights, marchenko_pastur_median, marchenko_pastur_threshold, signal_projector)
+    ESTIMATORS, aggregation_weights, marchenko_pastur_median, marchenko_pastur_threshold, signal_projector)
 from reference import mp_median, mp_threshold
 
 torch = pytest.importorskip("torch")
@@ -320,3 +320,22 @@ def test_no_uncertainty_settles_everything_and_a_huge_one_nothing(estimator):
     counts = np.full(50, 27)
     assert not marchenko_pastur_threshold(spectra, counts, 20, estimator, np.zeros(50))[2].any()
     assert marchenko_pastur_threshold(spectra, counts, 20, estimator, np.full(50, 1e30))[2].all()
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_eigenvalues_at_round_off_give_every_machine_the_rank_of_exact_zeros(estimator):
+    """A rank-deficient patch (voxels of exact zeros beside data: 27 voxels, 16 volumes, 7 null directions):
+    its null eigenvalues are round-off, of either sign and any size within m eps of the largest, which each
+    machine's BLAS sets differently. Every such spectrum gets the rank and noise level of exact zeros, in the
+    engine's estimator and in the reference."""
+    rng = np.random.default_rng(8)
+    signal = np.sort(np.concatenate([rng.uniform(5.0, 200.0, 8), [9.9e5]]))
+    exact = np.concatenate([np.zeros(7), signal])[None, :]
+    want_rank, want_sigma2 = marchenko_pastur_threshold(exact, np.array([27]), 16, estimator)
+    want_reference = mp_threshold(exact[0], 27, 16, estimator)
+    for _ in range(20):
+        null = rng.uniform(-1.0, 1.0, 7) * rng.uniform(0.01, 1.0) * 16 * np.finfo(np.float64).eps * 9.9e5
+        noisy = np.sort(np.concatenate([null, signal]))[None, :]
+        rank, sigma2 = marchenko_pastur_threshold(noisy, np.array([27]), 16, estimator)
+        assert rank[0] == want_rank[0] and sigma2[0] == want_sigma2[0]
+        assert mp_threshold(noisy[0], 27, 16, estimator) == want_reference

@@ -1674,6 +1674,25 @@ def test_the_threshold_kernel_decides_as_the_edge_estimators_and_their_settling_
 
 
 @interpreted
+@pytest.mark.parametrize("estimator", ["exp2", "exp1", "med", "olesen2023"])
+def test_the_threshold_kernel_takes_eigenvalues_at_round_off_as_zeros(estimator):
+    """A rank-deficient patch's null eigenvalues, round-off of either sign: the kernel's rank and noise level
+    are those of exact zeros, as the CPU's estimator gives them (``estimators.exact_zeros``)."""
+    from mppca_nipype.engine.estimators import marchenko_pastur_threshold
+    from mppca_nipype.engine.gpu.threshold import threshold_on_device
+
+    rng = np.random.default_rng(9)
+    signal = np.sort(np.concatenate([rng.uniform(5.0, 200.0, 8), [9.9e5]]))
+    null = rng.uniform(-1.0, 1.0, (30, 7)) * 16 * np.finfo(np.float64).eps * 9.9e5
+    values = torch.from_numpy(np.sort(np.concatenate([null, np.tile(signal, (30, 1))], axis=1), axis=1))
+    voxels = torch.full((30,), 27)
+    exact = torch.from_numpy(np.tile(np.concatenate([np.zeros(7), signal]), (30, 1)))
+    rank, sigma2, _ = threshold_on_device(values, voxels, 16, estimator)
+    want_rank, want_sigma2 = marchenko_pastur_threshold(exact, voxels, 16, estimator)
+    assert (rank == want_rank).all() and (sigma2 == want_sigma2).all()
+
+
+@interpreted
 @pytest.mark.parametrize("estimator", ["exp2", "exp1"])
 @pytest.mark.parametrize("m", [12, 48])
 def test_the_threshold_kernel_decides_as_the_estimator_and_the_settling_test(estimator, m):

@@ -113,7 +113,7 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
     index = xp.astype(xp.arange(m, device=eigenvalues.device), dtype)[None, :]
     first_usable = m - r
     usable = index >= first_usable
-    lam = xp.where(usable, xp.clip(eigenvalues, min=0) / q, xp.zeros_like(eigenvalues))
+    lam = xp.where(usable, xp.clip(exact_zeros(eigenvalues), min=0) / q, xp.zeros_like(eigenvalues))
     # k: the number of noise components if this eigenvalue is the largest of them
     k = xp.where(usable, index - first_usable + 1, xp.ones_like(eigenvalues))
     if estimator not in SPREAD_ESTIMATORS:
@@ -138,6 +138,20 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
     margin = sigma2_k - spread
     unsettled = _last_true(xp, usable & (margin > bound)) != _last_true(xp, usable & (margin > -bound))
     return rank, sigma2, unsettled
+
+
+def exact_zeros(eigenvalues):
+    """The (B, m) ``eigenvalues`` with those within float64's round-off of 0 (at most m eps times the patch's
+    largest) set to 0, before any estimator reads them (both engines: ``marchenko_pastur_threshold`` and the
+    GPU's ``threshold_on_device``). They are the exact zeros of a rank-deficient patch (voxels of exact zeros
+    beside data, a constant series), which round-off alone sets, differently on each machine's BLAS; taken as
+    0, they give every machine the same noise level and rank. A real noise eigenvalue lies ~10^12 times
+    higher; a float32 eigensolver's round-off (~10^-7 of the largest) is left to the settling test."""
+    xp = array_namespace(eigenvalues)
+    m = eigenvalues.shape[-1]
+    top = xp.clip(xp.max(eigenvalues, axis=1, keepdims=True), min=0)
+    return xp.where(eigenvalues <= m * float(np.finfo(np.float64).eps) * top, xp.zeros_like(eigenvalues),
+                    eigenvalues)
 
 
 def _last_true(xp, flags):

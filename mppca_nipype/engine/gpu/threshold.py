@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..estimators import ESTIMATORS, MEDIAN_ANGLE_SQUARE, MEDIAN_NEWTON_STEPS
+from ..estimators import ESTIMATORS, MEDIAN_ANGLE_SQUARE, MEDIAN_NEWTON_STEPS, exact_zeros
 
 #: How far (in float32 roundings of the largest eigenvalue) the eigenvalues may move before a window's rank
 #: counts as unsettled in float32 and is redone in float64: cuSOLVER's XsyevBatched (its float32 eigenvalues
@@ -244,7 +244,7 @@ def threshold_on_device(values, n_voxels, n_volumes: int, estimator: str, delta=
     if values.ndim != 2:
         raise ValueError("values must be a (B, m) tensor")
     batch, m = values.shape
-    values = values.to(torch.float64).contiguous()
+    values = exact_zeros(values.to(torch.float64)).contiguous()
     n_voxels = n_voxels.to(torch.int32).contiguous()
     rank = torch.empty(batch, dtype=torch.int64, device=values.device)
     sigma2 = torch.empty(batch, dtype=torch.float64, device=values.device)
