@@ -142,11 +142,12 @@ def marchenko_pastur_threshold(eigenvalues, n_voxels, n_volumes, estimator: str 
 
 def exact_zeros(eigenvalues):
     """The (B, m) ``eigenvalues`` with those within float64's round-off of 0 (at most m eps times the patch's
-    largest) set to 0, before any estimator reads them (both engines: ``marchenko_pastur_threshold`` and the
-    GPU's ``threshold_on_device``). They are the exact zeros of a rank-deficient patch (voxels of exact zeros
-    beside data, a constant series), which round-off alone sets, differently on each machine's BLAS; taken as
-    0, they give every machine the same noise level and rank. A real noise eigenvalue lies ~10^12 times
-    higher; a float32 eigensolver's round-off (~10^-7 of the largest) is left to the settling test."""
+    largest) set to 0, before any estimator reads them (``marchenko_pastur_threshold``; the GPU's threshold
+    kernel does the same, ``gpu.threshold``). They are the exact zeros of a rank-deficient patch (voxels of
+    exact zeros beside data, a constant series), which round-off alone sets, differently on each machine's
+    BLAS; taken as 0, they give every machine the same noise level and rank. A real noise eigenvalue lies
+    ~10^12 times higher; a float32 eigensolver's round-off (~10^-7 of the largest) is left to the settling
+    test."""
     xp = array_namespace(eigenvalues)
     m = eigenvalues.shape[-1]
     top = xp.clip(xp.max(eigenvalues, axis=1, keepdims=True), min=0)

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ..estimators import ESTIMATORS, MEDIAN_ANGLE_SQUARE, MEDIAN_NEWTON_STEPS, exact_zeros
+from ..estimators import ESTIMATORS, MEDIAN_ANGLE_SQUARE, MEDIAN_NEWTON_STEPS
 
 #: How far (in float32 roundings of the largest eigenvalue) the eigenvalues may move before a window's rank
 #: counts as unsettled in float32 and is redone in float64: cuSOLVER's XsyevBatched (its float32 eigenvalues
@@ -84,6 +85,7 @@ _PI = tl.constexpr(math.pi)
 _TAN_PI_8 = tl.constexpr(math.sqrt(2.0) - 1.0)
 #: Terms of the arctangent's series on |z| <= tan(pi / 8): the first left out is below 1.2e-17.
 _ATAN_TERMS = tl.constexpr(21)
+_EPS64 = tl.constexpr(float(np.finfo(np.float64).eps))
 
 
 @triton.jit
@@ -199,6 +201,10 @@ def _threshold_kernel(values_ptr, n_voxels_ptr, given_ptr, delta_ptr, rank_ptr, 
     window = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, BLOCK)
     values = tl.load(values_ptr + window * m + index, mask=index < m, other=0.0).to(tl.float64)
+    # ``estimators.exact_zeros``: eigenvalues within float64's round-off of 0 (m eps times the largest) are the
+    # exact zeros of a rank-deficient patch, whatever this machine's solver rounded them to
+    top = tl.maximum(tl.max(tl.where(index < m, values, 0.0), axis=0), 0.0)
+    values = tl.where(values <= tl.full((), _EPS64, tl.float64) * m * top, 0.0, values)
     n_voxels = tl.load(n_voxels_ptr + window).to(tl.int64)
     given = tl.load(given_ptr + window).to(tl.float64)  # (with GIVEN false: any number, unused)
     if (ESTIMATOR == "med" or ESTIMATOR == "olesen2023") and not GIVEN:
@@ -244,7 +250,7 @@ def threshold_on_device(values, n_voxels, n_volumes: int, estimator: str, delta=
     if values.ndim != 2:
         raise ValueError("values must be a (B, m) tensor")
     batch, m = values.shape
-    values = exact_zeros(values.to(torch.float64)).contiguous()
+    values = values.to(torch.float64).contiguous()
     n_voxels = n_voxels.to(torch.int32).contiguous()
     rank = torch.empty(batch, dtype=torch.int64, device=values.device)
     sigma2 = torch.empty(batch, dtype=torch.float64, device=values.device)
