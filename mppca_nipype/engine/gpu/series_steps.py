@@ -163,6 +163,15 @@ class Transfers:
         with torch.cuda.stream(self.later_stream):
             self.running = (pieces, self._copied_down(tensor, staged, pieces), host, out)
 
+    def store(self, tensor: torch.Tensor, out, later=False) -> None:
+        """Write ``tensor`` (a block computed on the device) into ``out``, its place in a step's result:
+        copied there on the device where the result is kept there (a tensor; cast to its dtype, as a
+        download casts), else downloaded (``download``, ``later`` as there)."""
+        if isinstance(out, torch.Tensor):
+            out.copy_(tensor)
+        else:
+            self.download(tensor, out, later)
+
     def finish(self) -> None:
         """Complete the download left running (``download``'s ``later``), if any."""
         if self.running is not None:
@@ -332,15 +341,11 @@ def stabilize_series(data, scale: np.ndarray, transform, device, block_values=No
     series kept on the device (``series_on_device``): x is then a tensor there too."""
     copies = Transfers(device)
     forward = PiecewiseLinear(transform.knots, transform.values, copies.device)
-    kept = isinstance(data, torch.Tensor)
-    out = (empty_series(data.shape, _order(data), copies.device) if kept
+    out = (empty_series(data.shape, _order(data), copies.device) if isinstance(data, torch.Tensor)
            else np.empty(data.shape, np.float32, order=_order(data)))
     for index in series_blocks(data, block_values=block_values):
         y = copies.upload(data[index]) / copies.upload(scale[index[:3]])[..., None]  # float32, as NumPy
-        if kept:
-            out[index] = stabilized(y, forward)  # (rounded to float32 as a download's copy rounds it)
-        else:
-            copies.download(stabilized(y, forward), out[index])
+        copies.store(stabilized(y, forward), out[index])
     return out
 
 
@@ -434,12 +439,8 @@ def complex_parts(magnitude: np.ndarray, radians: np.ndarray | None = None, imag
         block_image = (copies.upload(image[index]) if image is not None
                        else modulated(copies.upload(magnitude[index]), copies.upload(radians[index])))
         first, last, _ = index[3].indices(n_volumes)
-        for part, volumes in ((block_image.real, slice(first, last)),
-                              (block_image.imag, slice(first + n_volumes, last + n_volumes))):
-            if keep:
-                parts[index[:3] + (volumes,)] = part
-            else:
-                copies.download(part, parts[index[:3] + (volumes,)])
+        copies.store(block_image.real, parts[index[:3] + (slice(first, last),)])
+        copies.store(block_image.imag, parts[index[:3] + (slice(first + n_volumes, last + n_volumes),)])
     return parts
 
 
@@ -480,14 +481,8 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
         demodulated = block_image * torch.polar(torch.ones_like(phi), -phi)
         # NaN/Inf stay where the engine expects them; R comes down while the next block goes up
         block_real = torch.where(torch.isfinite(block_magnitude), demodulated.real, block_magnitude)
-        if keep_real:
-            real[index] = block_real
-        else:
-            copies.download(block_real, real[index], later=True)
-        if keep_phase:
-            phase[index] = phi
-        else:
-            copies.download(phi, phase[index])
+        copies.store(block_real, real[index], later=True)
+        copies.store(phi, phase[index])
         imaginary_power[index[:3]] = torch.square(demodulated.imag.to(torch.float64)).mean(dim=-1)
     power = np.empty(magnitude.shape[:3])
     copies.download(imaginary_power, power)
