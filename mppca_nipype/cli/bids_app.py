@@ -636,8 +636,9 @@ def execute(args, todo, bids_dir, output_dir, work_dir, use_gpu, note):
         # with the GPU worker, GPU_WORKER_NODES: nodes read and write their files while the worker runs another's
         plugin_args.setdefault("n_gpu_procs", (GPU_WORKER_NODES if worker_address() else len(visible_gpus()))
                                if use_gpu else 0)
-        if node_start_method(args, use_gpu) is not None:
-            plugin_args["mp_context"] = node_start_method(args, use_gpu)
+        start_method = node_start_method(args, use_gpu)
+        if start_method is not None:
+            plugin_args["mp_context"] = start_method
     if args.plugin == "SLURM":
         import getpass
 
