@@ -10,7 +10,7 @@ from nipype.interfaces.base import (BaseInterfaceInputSpec, File, SimpleInterfac
 from nipype.interfaces.utility import IdentityInterface, Select
 from nipype.pipeline import engine as pe
 
-from ..engine import COMPLEX_FILTER, DEFAULTS, default_filter
+from ..engine import DEFAULTS, default_filter
 from ..engine.complex_data import PHASE_METHODS, PHASE_PASSES, PHASE_WIDTH
 from ..interfaces import MPPCADenoise, gpu_probably_usable
 
@@ -396,7 +396,7 @@ def init_bids_wf(runs, *, bids_dir, output_dir, name="mppca_bids_wf", extent=DEF
     pairs = any(run.phase is not None for run in todo)
     magnitudes = any(run.phase is None for run in todo)
     floor = noise_floor if magnitudes else "none"  # (a pair has no floor)
-    pair_filter = filter or COMPLEX_FILTER
+    pair_filter = filter or default_filter(True)
     main_filter = filter or default_filter(not magnitudes)  # (the filter of the runs without a phase, if any)
     workflow.__desc__ = methods_text(extent=extent, stride=stride, estimator=estimator,
                                      aggregation=aggregation, demean=demean, noise_in=noise_kind,
