@@ -452,10 +452,10 @@ def demodulate_series(magnitude: np.ndarray, radians: np.ndarray | None = None, 
     S = ``magnitude`` e^{i ``radians``} (or the complex64 ``image`` itself, its non-finite values 0); phi its
     background phase (``background_phase_of``), or that of ``smoothed`` (the (X, Y, Z, 2T) first pass of
     ``phase_method="mppca"``: real parts, then imaginary; NumPy or kept on the device); R = Re(S e^{-i phi})
-    (the magnitude where it is NaN or Inf), I = Im(S e^{-i phi}). Returns (R, phi, the mean over volumes of I^2 per voxel (X, Y, Z)
-    float64): R and phi float32 in ``magnitude``'s order; phi as a tensor on the device where ``keep_phase``
-    (for ``remodulated_phase``, which takes either), R where ``keep_real`` (for ``engine.denoise``, which takes
-    a series on the device).
+    (the magnitude where it is NaN or Inf), I = Im(S e^{-i phi}). Returns (R, phi, the mean over volumes of
+    I^2 per voxel (X, Y, Z) float64): R and phi float32 in ``magnitude``'s order; phi as a tensor on the device
+    where ``keep_phase`` (for ``remodulated_phase``, which takes either), R where ``keep_real`` (for
+    ``engine.denoise``, which takes a series on the device).
     """
     copies = Transfers(device)
     window = _window(magnitude.shape, width, copies.device)
